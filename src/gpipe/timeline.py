@@ -1,0 +1,104 @@
+"""Timelines: what each device did and when, from the runtime or from the simulator."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from gpipe.schedule.action import Action
+
+__all__ = ["Event", "Timeline"]
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """One action as it ran (or was simulated) on a device.
+
+    ``memory`` is the most bytes the device held for backward while the action ran:
+    activations saved by autograd plus stashed stage inputs, of every micro-batch in flight.
+    """
+
+    action: Action
+    start: float
+    end: float
+    memory: int = 0
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+
+@dataclass
+class Timeline:
+    """Per device, the events of one training step in start order.
+
+    Args:
+        events: ``events[d]`` lists device ``d``'s events.
+        unit: ``"s"`` for a measured timeline (seconds from the step's start), ``"cost"``
+            for a simulated one (the cost model's units).
+        schedule: the name of the schedule that produced it.
+    """
+
+    events: list[list[Event]]
+    unit: str = "s"
+    schedule: str = ""
+    meta: dict[str, object] = field(default_factory=dict)
+
+    @property
+    def devices(self) -> int:
+        return len(self.events)
+
+    @property
+    def start(self) -> float:
+        starts = [e.start for device in self.events for e in device]
+        return min(starts, default=0.0)
+
+    @property
+    def makespan(self) -> float:
+        """Time from the first action's start to the last action's end."""
+        ends = [e.end for device in self.events for e in device]
+        return max(ends, default=0.0) - self.start
+
+    @property
+    def busy(self) -> list[float]:
+        """Per device, the total time spent in actions."""
+        return [sum(e.duration for e in device) for device in self.events]
+
+    @property
+    def bubble(self) -> float:
+        """The idle fraction: ``1 - busy / (K × makespan)``."""
+        span = self.makespan
+        if span <= 0 or not self.events:
+            return 0.0
+        return 1.0 - sum(self.busy) / (self.devices * span)
+
+    @property
+    def peak_memory(self) -> list[int]:
+        """Per device, the most bytes held for backward at any moment."""
+        return [max((e.memory for e in device), default=0) for device in self.events]
+
+    def durations(self, kind: str) -> list[list[float]]:
+        """Per device, the durations of its actions of ``kind`` ("F", "B" or "W")."""
+        return [[e.duration for e in device if e.action.kind == kind] for device in self.events]
+
+    def shifted(self, offset: float) -> Timeline:
+        """The same timeline with every time moved by ``-offset`` (so it can start at 0)."""
+        events = [
+            [Event(e.action, e.start - offset, e.end - offset, e.memory) for e in device]
+            for device in self.events
+        ]
+        return Timeline(events, self.unit, self.schedule, dict(self.meta))
+
+    @classmethod
+    def merge(cls, parts: Sequence[Timeline]) -> Timeline:
+        """Concatenate per-device events of timelines that share one clock."""
+        devices = max((p.devices for p in parts), default=0)
+        events: list[list[Event]] = [[] for _ in range(devices)]
+        for part in parts:
+            for d, device in enumerate(part.events):
+                events[d].extend(device)
+        for device in events:
+            device.sort(key=lambda e: e.start)
+        first = parts[0] if parts else cls([])
+        return cls(events, first.unit, first.schedule, dict(first.meta))
