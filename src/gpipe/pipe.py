@@ -1,0 +1,404 @@
+"""GPipe: the user-facing module that runs an nn.Sequential as a pipeline."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from gpipe.checkpoint import check_checkpoint
+from gpipe.microbatch import batch_size, gather, scatter
+from gpipe.partition import balance_by_params, check_balance, split_module
+from gpipe.randomness import draw_step_seed
+from gpipe.runtime.step import Loss, Step
+from gpipe.runtime.transport import ACTIVATION, GRADIENT
+from gpipe.runtime.worker import Stages
+from gpipe.schedule import Schedule, make_schedule
+from gpipe.schedule.action import BACKWARD, FORWARD
+from gpipe.timeline import Timeline
+
+__all__ = ["GPipe"]
+
+Device = torch.device | str | int
+
+_MOVING_DENIED = (
+    "the pipe owns device placement: pass devices=[...] to GPipe instead of moving it with "
+    ".to(device)/.cuda()/.cpu() (.to(dtype) is fine)"
+)
+
+
+def _as_device(device: Device) -> torch.device:
+    if isinstance(device, int):
+        return torch.device("cuda", device)
+    return torch.device(device)
+
+
+def _default_stage_count(module: nn.Sequential) -> int:
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return max(1, min(len(module), gpus or 2))
+
+
+class GPipe(nn.Module):
+    """Run an ``nn.Sequential`` as a pipeline of stages over micro-batches (GPipe).
+
+    The module is cut into consecutive stages, one per device. Each mini-batch is split into
+    ``chunks`` micro-batches that flow through the stages concurrently (one worker thread per
+    device); gradients of all micro-batches accumulate in the user's own parameters, so a
+    step equals training on the whole mini-batch.
+
+    Args:
+        module: the model, an ``nn.Sequential``; its layers are moved to their devices.
+        balance: layers per stage (``[3, 2, 3]``), or None to balance parameter counts
+            over ``len(devices)`` stages.
+        devices: one device per stage; None puts every stage on "cpu" (as many stages as
+            ``balance`` lists, else one per GPU, else 2).
+        chunks: M, the number of micro-batches per mini-batch.
+        checkpoint: "always", "except_last" or "never": which micro-batches keep only their
+            stage input and recompute the stage forward in the backward.
+        schedule: the schedule ``train_step`` runs ("gpipe", or any name in
+            ``gpipe.schedule.SCHEDULES``). ``pipe(x)`` followed by ``loss.backward()``
+            always runs GPipe's fill-drain.
+        virtual_stages: model stages per device (interleaved schedules); ``balance`` then
+            lists ``len(devices) * virtual_stages`` entries.
+
+    Raises:
+        TypeError: ``module`` is not an ``nn.Sequential``, or ``balance`` is not a list.
+        ValueError: an inconsistent balance, devices, chunks, checkpoint or schedule.
+    """
+
+    def __init__(
+        self,
+        module: nn.Sequential,
+        balance: Sequence[int] | None = None,
+        *,
+        devices: Sequence[Device] | None = None,
+        chunks: int = 1,
+        checkpoint: str = "except_last",
+        schedule: str = "gpipe",
+        virtual_stages: int = 1,
+    ) -> None:
+        super().__init__()
+        if not isinstance(module, nn.Sequential):
+            raise TypeError(
+                f"GPipe takes an nn.Sequential, got {type(module).__name__}; wrap your layers "
+                "in nn.Sequential(...) in the order they run"
+            )
+        if len(module) == 0:
+            raise ValueError("the nn.Sequential is empty: give it at least one layer")
+        if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+            raise ValueError(
+                f"chunks must be an int >= 1 (micro-batches per batch), got {chunks!r}"
+            )
+        if isinstance(virtual_stages, bool) or not isinstance(virtual_stages, int):
+            raise TypeError(f"virtual_stages must be an int, got {virtual_stages!r}")
+        if virtual_stages < 1:
+            raise ValueError(f"virtual_stages must be >= 1, got {virtual_stages}")
+        self.checkpoint = check_checkpoint(checkpoint)
+        self.chunks = chunks
+        self.schedule = schedule
+        self.virtual_stages = virtual_stages
+
+        if devices is None:
+            count = len(balance) // virtual_stages if balance is not None else None
+            count = count or _default_stage_count(module)
+            devices = ["cpu"] * count
+        if isinstance(devices, (str, torch.device, int)):
+            raise TypeError(f"devices must be a list, one device per stage, got {devices!r}")
+        self.devices = [_as_device(d) for d in devices]
+        stage_count = len(self.devices) * virtual_stages
+        if balance is None:
+            if stage_count > len(module):
+                raise ValueError(
+                    f"more stages ({stage_count}) than layers ({len(module)}): use at most "
+                    f"{len(module)} devices"
+                )
+            balance = balance_by_params(module, stage_count)
+        balance = check_balance(module, balance)
+        if len(balance) != stage_count:
+            raise ValueError(
+                f"balance lists {len(balance)} stages but devices lists {len(self.devices)} "
+                f"devices (x {virtual_stages} virtual stages = {stage_count}); give one "
+                "balance entry per stage, or one device per stage"
+            )
+        self.balance = balance
+        # Validate the schedule now, not at the first step.
+        self._schedule_for(max(chunks, 1))
+
+        self._module = [module]  # kept unregistered: the partitions own the layers
+        self.partitions = split_module(module, balance)
+        placement = tuple(s % len(self.devices) for s in range(stage_count))
+        for stage, partition in enumerate(self.partitions):
+            partition.to(self.devices[placement[stage]])
+        self._stages = Stages(list(self.partitions), self.devices, placement)
+        self._last: Step | None = None
+        self._last_schedule = "gpipe"
+
+    # -- nn.Sequential-like access to the user's layers --------------------------------
+
+    def __len__(self) -> int:
+        return sum(len(p) for p in self.partitions)
+
+    def __iter__(self) -> Iterator[nn.Module]:
+        for partition in self.partitions:
+            yield from partition
+
+    def __getitem__(self, index: int) -> nn.Module:
+        layers = list(self)
+        if not -len(layers) <= index < len(layers):
+            raise IndexError(f"layer index {index} out of range for {len(layers)} layers")
+        return layers[index]
+
+    # -- the pipe owns device placement ------------------------------------------------
+
+    def cuda(self, device: Any = None) -> GPipe:
+        raise TypeError(_MOVING_DENIED)
+
+    def cpu(self) -> GPipe:
+        raise TypeError(_MOVING_DENIED)
+
+    def to(self, *args: Any, **kwargs: Any) -> GPipe:
+        """Only dtype conversions: ``pipe.to(torch.float64)``; devices are set at creation."""
+        if "device" in kwargs or "tensor" in kwargs:
+            raise TypeError(_MOVING_DENIED)
+        if args and (isinstance(args[0], (torch.device, str, int, torch.Tensor))):
+            raise TypeError(_MOVING_DENIED)
+        return super().to(*args, **kwargs)
+
+    # -- running -----------------------------------------------------------------------
+
+    @property
+    def timeline(self) -> Timeline:
+        """What the last step did: per device, each action's start and end (seconds)."""
+        if self._last is None:
+            raise RuntimeError("no step has run yet: call pipe(x) or pipe.train_step(...) first")
+        return self._last.timeline(self._last_schedule)
+
+    def forward(self, input: Any) -> Any:
+        """Run ``input`` through the pipeline; the output lands on the last device.
+
+        Under autograd (grad enabled) the returned output is connected to a pipelined
+        backward: ``loss.backward()`` runs each stage's backward on its own worker.
+        """
+        microbatches = self._scatter(input)
+        grad = torch.is_grad_enabled()
+        step = self._new_step(len(microbatches), grad=grad)
+        schedule = make_schedule("gpipe", len(self.partitions), len(microbatches))
+        for i, mb in enumerate(microbatches):
+            step.transport.send((ACTIVATION, 0, i), _to_stage(mb))
+        step.run(schedule.only([FORWARD]).actions)
+        last = len(self.partitions)
+        outputs = [step.transport.collect((ACTIVATION, last, i)) for i in range(len(microbatches))]
+        if grad:
+            outputs = _PipelineBackward.connect(
+                step, schedule.only([BACKWARD]), microbatches, outputs
+            )
+        return gather(outputs)
+
+    def train_step(
+        self,
+        input: Any,
+        target: Any,
+        loss_fn: Callable[[Any, Any], torch.Tensor],
+        *,
+        reduction: str = "mean",
+    ) -> torch.Tensor:
+        """One pipelined forward and backward with the loss computed on the last stage.
+
+        Gradients accumulate in the parameters (call ``optimizer.step()`` and
+        ``zero_grad()`` yourself). Runs the pipe's ``schedule``.
+
+        Args:
+            input: the mini-batch (tensor, tuple/list or dict of tensors).
+            target: the targets, split into micro-batches like ``input``.
+            loss_fn: ``loss_fn(output, target) -> scalar`` for one micro-batch.
+            reduction: how ``loss_fn`` reduces over samples. "mean": each micro-batch loss is
+                weighted by its share of the batch, so the result equals ``loss_fn`` on the
+                whole batch even for uneven splits. "sum": micro-batch losses are added.
+
+        Returns:
+            The loss of the whole mini-batch (detached), on the last device.
+        """
+        if reduction not in ("mean", "sum"):
+            raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+        if not torch.is_grad_enabled():
+            raise RuntimeError("train_step needs autograd: call it outside torch.no_grad()")
+        microbatches = self._scatter(input)
+        total = batch_size(input)
+        if batch_size(target) != total:
+            raise ValueError(
+                f"target has batch size {batch_size(target)} but input has {total}; "
+                "give one target per sample"
+            )
+        targets = scatter(target, len(microbatches))
+        last_device = self._stages.devices[self._stages.placement[-1]]
+        weights = [batch_size(mb) / total if reduction == "mean" else 1.0 for mb in microbatches]
+        loss = Loss(loss_fn, [_on(t, last_device) for t in targets], weights)
+        schedule = self._schedule_for(len(microbatches))
+        step = self._new_step(len(microbatches), grad=True, loss=loss, schedule=schedule)
+        for i, mb in enumerate(microbatches):
+            step.transport.send((ACTIVATION, 0, i), _to_stage(mb))
+        step.run(schedule.actions)
+        _backward_into_input(step, microbatches)
+        return sum(w * value for w, value in zip(weights, step.losses))  # type: ignore[return-value]
+
+    # -- pieces ------------------------------------------------------------------------
+
+    def _schedule_for(self, microbatches: int) -> Schedule:
+        return make_schedule(
+            self.schedule,
+            len(self.devices),
+            microbatches,
+            virtual_stages=self.virtual_stages,
+        )
+
+    def _scatter(self, input: Any) -> list[Any]:
+        self._check_placement()
+        return scatter(input, self.chunks)
+
+    def _new_step(
+        self,
+        microbatches: int,
+        *,
+        grad: bool,
+        loss: Loss | None = None,
+        schedule: Schedule | None = None,
+    ) -> Step:
+        step = Step(
+            self._stages,
+            microbatches,
+            grad=grad,
+            checkpoint=self.checkpoint if (grad and self.training) else "never",
+            seed=draw_step_seed() if self.training else 0,
+            loss=loss,
+            split_backward=schedule is not None and schedule.split_backward,
+        )
+        self._last = step
+        self._last_schedule = schedule.name if schedule is not None else "gpipe"
+        return step
+
+    def _check_placement(self) -> None:
+        for stage, partition in enumerate(self.partitions):
+            device = self._stages.devices[self._stages.placement[stage]]
+            for name, tensor in [*partition.named_parameters(), *partition.named_buffers()]:
+                if tensor.device != device and not (
+                    device.type == tensor.device.type and device.index is None
+                ):
+                    raise ValueError(
+                        f"{name!r} of stage {stage} is on {tensor.device} but the stage runs "
+                        f"on {device}: the pipe owns device placement, so don't move its "
+                        "layers after wrapping; pass devices=[...] to GPipe instead"
+                    )
+
+
+def _on(value: Any, device: torch.device) -> Any:
+    return pytree.tree_map_only(torch.Tensor, lambda t: t.to(device), value)
+
+
+def _to_stage(microbatch: Any) -> Any:
+    """What stage 0 receives: the micro-batch cut from the caller's graph."""
+    return pytree.tree_map_only(
+        torch.Tensor, lambda t: t.detach().requires_grad_(t.requires_grad), microbatch
+    )
+
+
+def _input_leaves(microbatch: Any) -> list[torch.Tensor]:
+    return [
+        leaf
+        for leaf in pytree.tree_leaves(microbatch)
+        if isinstance(leaf, torch.Tensor) and leaf.requires_grad
+    ]
+
+
+def _backward_into_input(step: Step, microbatches: list[Any]) -> None:
+    """Carry stage 0's input gradients on into the caller's tensors (if they want them)."""
+    roots, grads = [], []
+    for i, mb in enumerate(microbatches):
+        if not _input_leaves(mb):
+            continue
+        received = step.transport.collect((GRADIENT, -1, i))
+        for leaf, grad in zip(pytree.tree_leaves(mb), received):
+            if grad is not None and isinstance(leaf, torch.Tensor) and leaf.requires_grad:
+                roots.append(leaf)
+                grads.append(grad.to(leaf.device))
+    if roots:
+        torch.autograd.backward(roots, grads)
+
+
+class _PipelineBackward(torch.autograd.Function):
+    """Joins the pipeline to the caller's graph: its backward runs the pipelined backward.
+
+    The forward passes the last stage's outputs through; when autograd reaches it with the
+    output gradients, the backward hands them to the last stage, runs every stage's backward
+    on its own worker, and returns the gradients of the caller's inputs.
+    """
+
+    @staticmethod
+    def connect(
+        step: Step, backward: Schedule, microbatches: list[Any], outputs: list[Any]
+    ) -> list[Any]:
+        out_flat = [pytree.tree_flatten(out) for out in outputs]
+        differentiable = [
+            [
+                isinstance(leaf, torch.Tensor) and (leaf.is_floating_point() or leaf.is_complex())
+                for leaf in leaves
+            ]
+            for leaves, _ in out_flat
+        ]
+        inputs = [_input_leaves(mb) for mb in microbatches]
+        masks = [
+            [
+                isinstance(leaf, torch.Tensor) and leaf.requires_grad
+                for leaf in pytree.tree_leaves(mb)
+            ]
+            for mb in microbatches
+        ]
+        tensors = [t for group in inputs for t in group]
+        tensors += [
+            leaf.detach()
+            for (leaves, _), mask in zip(out_flat, differentiable)
+            for leaf, keep in zip(leaves, mask)
+            if keep
+        ]
+        # NOTE: a phony input that requires grad makes the outputs require grad even when
+        # neither the caller's input nor the passed-through outputs do.
+        phony = torch.empty(0, requires_grad=True)
+        meta = (step, backward, inputs, masks, differentiable)
+        results = iter(_PipelineBackward.apply(meta, phony, *tensors))
+        connected = []
+        for (leaves, spec), mask in zip(out_flat, differentiable):
+            leaves = [next(results) if keep else leaf for leaf, keep in zip(leaves, mask)]
+            connected.append(pytree.tree_unflatten(leaves, spec))
+        return connected
+
+    @staticmethod
+    def forward(ctx: Any, meta: Any, phony: torch.Tensor, *tensors: torch.Tensor) -> Any:
+        _, _, inputs, _, _ = meta
+        ctx.meta = meta
+        ctx.set_materialize_grads(False)
+        n_inputs = sum(len(group) for group in inputs)
+        return tuple(t.view_as(t) for t in tensors[n_inputs:])
+
+    @staticmethod
+    def backward(ctx: Any, *grad_outputs: torch.Tensor | None) -> Any:
+        step, backward, inputs, masks, differentiable = ctx.meta
+        ctx.meta = None  # free the step's saved state once the backward is done
+        last = len(step.stages.modules) - 1
+        grads = iter(grad_outputs)
+        for i, mask in enumerate(differentiable):
+            step.transport.send(
+                (GRADIENT, last, i), [next(grads) if keep else None for keep in mask]
+            )
+        step.run(backward.actions)
+        input_grads: list[torch.Tensor | None] = []
+        for i, (group, mask) in enumerate(zip(inputs, masks)):
+            if not group:
+                continue
+            received = step.transport.collect((GRADIENT, -1, i))
+            chosen = [g for g, wanted in zip(received, mask) if wanted]
+            input_grads += [
+                None if g is None else g.to(leaf.device) for g, leaf in zip(chosen, group)
+            ]
+        return (None, None, *input_grads, *([None] * (len(grad_outputs))))

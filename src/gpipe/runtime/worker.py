@@ -1,0 +1,291 @@
+"""The stage worker: runs one device's actions (forward, backward, weight gradient)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from gpipe.checkpoint import checkpointed
+from gpipe.randomness import RandomProbe, seeded, stream_seed
+from gpipe.runtime.transport import ACTIVATION, GRADIENT
+from gpipe.schedule.action import BACKWARD, FORWARD, Action
+from gpipe.timeline import Event
+
+if TYPE_CHECKING:
+    from gpipe.runtime.step import Step
+
+__all__ = ["StageWorker", "Stages"]
+
+
+@dataclass
+class Stages:
+    """What stays the same from step to step: the stage modules and where they live.
+
+    Args:
+        modules: one module per model stage.
+        devices: one ``torch.device`` per pipeline device.
+        placement: ``placement[s]`` is the device index of stage ``s``.
+    """
+
+    modules: Sequence[nn.Module]
+    devices: list[torch.device]
+    placement: tuple[int, ...]
+    # Whether a stage's forward draws random numbers, per (stage, training mode); learned
+    # from the first forward, which runs seeded and probed to be safe.
+    draws_random: dict[tuple[int, bool], bool] = field(default_factory=dict)
+
+
+@dataclass
+class _Saved:
+    """What one (stage, micro-batch) keeps between its forward and its backward."""
+
+    inputs: Any
+    outputs: Any  # the backward roots (outputs, or the weighted loss); None if checkpointed
+    nbytes: int
+    roots: list[tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=list)
+
+
+class _SavedBytes:
+    """Counts the bytes autograd saves for backward, once per storage, parameters excluded."""
+
+    def __init__(self, exclude: set[int], inputs: Any) -> None:
+        self._seen = set(exclude)
+        self._exclude = len(exclude)
+        self.nbytes = 0
+        for leaf in pytree.tree_leaves(inputs):
+            if isinstance(leaf, torch.Tensor):
+                self.add(leaf)
+
+    def add(self, tensor: torch.Tensor) -> None:
+        try:
+            storage = tensor.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # sparse or opaque tensors
+            return
+        ptr = storage.data_ptr()
+        if ptr not in self._seen:
+            self._seen.add(ptr)
+            self.nbytes += storage.nbytes()
+
+    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        self.add(tensor)
+        return tensor
+
+    @staticmethod
+    def unpack(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+
+def _as_leaves(value: Any) -> Any:
+    """Cut ``value``'s tensors from any graph, keeping whether they need a gradient."""
+    return pytree.tree_map_only(
+        torch.Tensor, lambda t: t.detach().requires_grad_(t.requires_grad), value
+    )
+
+
+def _for_next_stage(value: Any) -> Any:
+    """Detach outputs for the next stage; floating tensors there need gradients."""
+    return pytree.tree_map_only(
+        torch.Tensor,
+        lambda t: t.detach().requires_grad_(t.is_floating_point() or t.is_complex()),
+        value,
+    )
+
+
+def _grad_leaves(value: Any) -> list[torch.Tensor | None]:
+    """The flattened leaves of ``value``, with None for those that take no gradient."""
+    return [
+        leaf if isinstance(leaf, torch.Tensor) and leaf.requires_grad else None
+        for leaf in pytree.tree_leaves(value)
+    ]
+
+
+class StageWorker:
+    """Runs the actions of one device in one step, on that device's stages.
+
+    Forward (F) receives the stage input, runs the stage (without autograd when the
+    micro-batch is checkpointed), keeps what the backward needs and sends the output on.
+    Backward (B) receives the output gradient, recomputes the forward if it was
+    checkpointed, and sends the input gradient back; it also computes weight gradients
+    unless the schedule runs them as separate W actions.
+    """
+
+    def __init__(self, step: Step, device: int) -> None:
+        self.step = step
+        self.device = device
+        self.torch_device = step.stages.devices[device]
+        self.events: list[Event] = step.events[device]
+        self.held = 0  # bytes this device holds for backward right now
+        self._params: dict[int, set[int]] = {}
+
+    def run(self, actions: Sequence[Action]) -> None:
+        if self.torch_device.type == "cuda":
+            torch.cuda.set_device(self.torch_device)
+        perform = {FORWARD: self.forward, BACKWARD: self.backward}
+        for action in actions:
+            try:
+                perform.get(action.kind, self.weight)(action)
+            except Exception as exc:
+                exc.gpipe_action = action  # type: ignore[attr-defined]
+                raise
+
+    # -- the three actions -------------------------------------------------------------
+
+    def forward(self, action: Action) -> None:
+        step, stage, mb = self.step, action.stage, action.microbatch
+        inputs = step.transport.recv((ACTIVATION, stage, mb))
+        start = time.perf_counter_ns()
+        inputs = _as_leaves(inputs)
+        if not step.grad:
+            with torch.no_grad():
+                output, _ = self._run(stage, mb, inputs)
+            step.transport.send((ACTIVATION, stage + 1, mb), output)
+            self._record(action, start)
+            return
+        if checkpointed(step.checkpoint, mb, step.microbatches):
+            with torch.no_grad():
+                output, root = self._run(stage, mb, inputs)
+            saved = _Saved(inputs, None, _SavedBytes(set(), inputs).nbytes)
+        else:
+            counter = _SavedBytes(self._param_storages(stage), inputs)
+            with (
+                torch.enable_grad(),
+                torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack),
+            ):
+                output, root = self._run(stage, mb, inputs)
+            saved = _Saved(inputs, output if root is None else root, counter.nbytes)
+        step.saved[stage, mb] = saved
+        self.held += saved.nbytes
+        if root is None:
+            step.transport.send((ACTIVATION, stage + 1, mb), _for_next_stage(output))
+        self._record(action, start)
+
+    def backward(self, action: Action) -> None:
+        step, stage, mb = self.step, action.stage, action.microbatch
+        saved = step.saved[stage, mb]
+        has_loss = step.loss is not None and stage == len(step.stages.modules) - 1
+        grads = None if has_loss else step.transport.recv((GRADIENT, stage, mb))
+        start = time.perf_counter_ns()
+        peak = self.held
+        if saved.outputs is None:  # re-materialize: same inputs, same random stream
+            counter = _SavedBytes(self._param_storages(stage), saved.inputs)
+            with (
+                torch.enable_grad(),
+                torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack),
+            ):
+                output, root = self._run(stage, mb, saved.inputs)
+            saved.outputs = output if root is None else root
+            peak += counter.nbytes - saved.nbytes
+        if has_loss:
+            roots = [(saved.outputs, None)]
+        else:
+            roots = [
+                (out, grad)
+                for out, grad in zip(pytree.tree_leaves(saved.outputs), grads)
+                if grad is not None and isinstance(out, torch.Tensor) and out.requires_grad
+            ]
+        inputs = _grad_leaves(saved.inputs)
+        wanted = [leaf for leaf in inputs if leaf is not None]
+        if step.split_backward:
+            found = self._input_grads(roots, wanted)
+            saved.roots = roots
+        else:
+            if roots:
+                torch.autograd.backward([r for r, _ in roots], [g for _, g in roots])
+            found = [leaf.grad for leaf in wanted]
+        if stage > 0 or wanted:
+            found_iter = iter(found)
+            step.transport.send(
+                (GRADIENT, stage - 1, mb),
+                [None if leaf is None else next(found_iter) for leaf in inputs],
+            )
+        if not step.split_backward:
+            self._release(stage, mb)
+        self._record(action, start, peak)
+
+    def weight(self, action: Action) -> None:
+        step, stage, mb = self.step, action.stage, action.microbatch
+        start = time.perf_counter_ns()
+        roots = step.saved[stage, mb].roots
+        params = [p for p in step.stages.modules[stage].parameters() if p.requires_grad]
+        if roots and params:
+            torch.autograd.backward([r for r, _ in roots], [g for _, g in roots], inputs=params)
+        peak = self.held
+        self._release(stage, mb)
+        self._record(action, start, peak)
+
+    # -- pieces ------------------------------------------------------------------------
+
+    def _run(self, stage: int, mb: int, inputs: Any) -> tuple[Any, torch.Tensor | None]:
+        """The stage's forward, and on the last stage of train_step the weighted loss.
+
+        Runs on the (stage, micro-batch) random stream if the stage draws random numbers.
+        """
+        step = self.step
+        module = step.stages.modules[stage]
+        loss = step.loss if stage == len(step.stages.modules) - 1 else None
+
+        def call() -> tuple[Any, torch.Tensor | None]:
+            output = module(inputs)
+            if loss is None:
+                return output, None
+            value = loss.fn(output, loss.targets[mb])
+            step.losses[mb] = value.detach()
+            return output, value * loss.weights[mb]
+
+        key = (stage, module.training)
+        draws = step.stages.draws_random.get(key)
+        if draws is False:
+            return call()
+        with seeded(self.torch_device, stream_seed(step.seed, stage, mb)):
+            if draws:
+                return call()
+            probe = RandomProbe()
+            with probe:
+                result = call()
+            step.stages.draws_random[key] = probe.found
+            return result
+
+    def _input_grads(
+        self, roots: list[tuple[torch.Tensor, torch.Tensor | None]], wanted: list[torch.Tensor]
+    ) -> list[torch.Tensor | None]:
+        """Input gradients only, keeping the graph for the weight gradient (zero-bubble B)."""
+        if not roots or not wanted:
+            return [None] * len(wanted)
+        return list(
+            torch.autograd.grad(
+                [r for r, _ in roots],
+                wanted,
+                [g for _, g in roots],
+                retain_graph=True,
+                allow_unused=True,
+            )
+        )
+
+    def _release(self, stage: int, mb: int) -> None:
+        saved = self.step.saved.pop((stage, mb))
+        self.held -= saved.nbytes
+
+    def _param_storages(self, stage: int) -> set[int]:
+        if stage not in self._params:
+            module = self.step.stages.modules[stage]
+            tensors = [*module.parameters(), *module.buffers()]
+            self._params[stage] = {t.untyped_storage().data_ptr() for t in tensors}
+        return self._params[stage]
+
+    def _record(self, action: Action, start_ns: int, memory: int | None = None) -> None:
+        origin = self.step.origin_ns
+        end_ns = time.perf_counter_ns()
+        self.events.append(
+            Event(
+                action,
+                (start_ns - origin) / 1e9,
+                (end_ns - origin) / 1e9,
+                self.held if memory is None else memory,
+            )
+        )
