@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from gpipe.schedule.action import Action
 
@@ -89,6 +91,25 @@ class Timeline:
             for device in self.events
         ]
         return Timeline(events, self.unit, self.schedule, dict(self.meta))
+
+    def __str__(self) -> str:
+        """The terminal chart, without colour so the text is the same wherever it goes."""
+        # NOTE: imported on use, so loading timelines never loads the drawing code.
+        from gpipe.trace import format_chart
+
+        return format_chart(self, color=False)
+
+    def plot(self, path: str | os.PathLike[str], **kwargs: Any) -> Path:
+        """Save a PNG Gantt chart; see :func:`gpipe.trace.plot` for the keyword arguments."""
+        from gpipe.trace import plot
+
+        return plot(self, path, **kwargs)
+
+    def to_chrome_trace(self, path: str | os.PathLike[str] | None = None) -> dict[str, Any]:
+        """The Chrome/Perfetto trace dict, also written as JSON to ``path`` when given."""
+        from gpipe.trace import to_chrome_trace
+
+        return to_chrome_trace(self, path)
 
     @classmethod
     def merge(cls, parts: Sequence[Timeline]) -> Timeline:

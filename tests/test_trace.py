@@ -1,0 +1,201 @@
+"""Drawing timelines: terminal chart, PNG Gantt chart, Chrome trace."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from gpipe.schedule.action import Action
+from gpipe.timeline import Event, Timeline
+from gpipe.trace import format_chart, plot, to_chrome_trace
+
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def fill_drain(
+    devices: int,
+    microbatches: int,
+    forward: float = 1.0,
+    backward: float = 1.0,
+    weight: float = 0.0,
+    unit: str = "cost",
+    start: float = 0.0,
+) -> Timeline:
+    """GPipe's timeline worked out by hand: all forwards, then backwards newest first.
+
+    Memory counts the micro-batches whose activations a device holds.
+    """
+    events: list[list[Event]] = []
+    for d in range(devices):
+        row = [
+            Event(Action("F", d, i), start + (d + i) * forward, start + (d + i + 1) * forward,
+                  memory=i + 1)
+            for i in range(microbatches)
+        ]
+        drain = start + (microbatches + devices - 1) * forward + (devices - 1 - d) * (
+            backward + weight
+        )
+        for j, i in enumerate(reversed(range(microbatches))):
+            t = drain + j * (backward + weight)
+            row.append(Event(Action("B", d, i), t, t + backward, i + 1))
+            if weight:
+                row.append(Event(Action("W", d, i), t + backward, t + backward + weight, i))
+        events.append(row)
+    return Timeline(events, unit, "gpipe")
+
+
+def chart_rows(chart: str, devices: int) -> list[str]:
+    return chart.splitlines()[1 : devices + 1]
+
+
+def test_chart_labels_every_action_on_its_device_row() -> None:
+    timeline = fill_drain(3, 4, backward=2.0)
+    chart = format_chart(timeline, width=100, color=False)
+    rows = chart_rows(chart, 3)
+    for device, row in enumerate(rows):
+        assert row.startswith(f"{device} |") and row.endswith("|")
+        labels = re.findall(r"[FBW]\d+", row)
+        assert labels == [f"F{i}" for i in range(4)] + [f"B{i}" for i in (3, 2, 1, 0)]
+
+
+def test_chart_header_names_schedule_makespan_and_bubble() -> None:
+    timeline = fill_drain(4, 8)  # 1 - 16/22 busy: bubble 3/11
+    header = format_chart(timeline, width=80, color=False).splitlines()[0]
+    assert header == (
+        "gpipe: 4 devices, 8 micro-batches, makespan 22 cost, bubble 27.27%"
+    )
+
+
+def test_chart_without_color_has_no_ansi_codes_and_fits_width() -> None:
+    chart = format_chart(fill_drain(4, 8, weight=1.0), width=72, color=False)
+    assert "\x1b" not in chart
+    assert all(len(line) <= 72 for line in chart.splitlines())
+    assert "W3" in chart
+
+
+def test_chart_with_color_paints_each_kind_and_keeps_the_same_text() -> None:
+    timeline = fill_drain(2, 2, weight=1.0)
+    colored = format_chart(timeline, width=60, color=True)
+    assert "\x1b[97;44mF0" in colored  # forward blocks on blue
+    assert "\x1b[30;42mB1" in colored  # backward on green
+    assert "\x1b[30;43mW1" in colored  # weight gradient on yellow
+    plain = format_chart(timeline, width=60, color=False)
+    assert ANSI.sub("", colored).splitlines()[1:3] == plain.splitlines()[1:3]
+
+
+def test_chart_color_defaults_off_when_not_a_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("NO_COLOR", raising=False)
+    # pytest captures stdout, so it is not a TTY here.
+    assert "\x1b" not in format_chart(fill_drain(2, 2), width=60)
+
+
+def test_chart_shows_actions_narrower_than_a_character() -> None:
+    # 16 x 64 of 1 ms actions in 40 columns: every cell holds several actions.
+    timeline = fill_drain(16, 64, forward=1e-3, backward=1e-3, unit="s")
+    rows = chart_rows(format_chart(timeline, width=45, color=False), 16)
+    assert len(rows) == 16
+    for row in rows:
+        assert len(row) == 45
+        cells = row.split("|")[1]
+        assert len(cells) == 40
+        assert ">" in cells and "<" in cells  # forwards and backwards both visible
+
+
+def test_chart_marks_a_lone_sliver_as_lowercase_kind() -> None:
+    events = [[Event(Action("F", 0, 0), 0.0, 10.0), Event(Action("B", 0, 0), 99.9, 100.0)]]
+    # 20 columns of 5 units: F0 fills two cells, B0 covers 2% of the last one.
+    row = chart_rows(format_chart(Timeline(events, "cost"), width=24, color=False), 1)[0]
+    assert row == "0 |F0                 b|"
+
+
+def test_chart_of_measured_timeline_reads_milliseconds_from_its_start() -> None:
+    timeline = fill_drain(2, 2, forward=0.01, backward=0.01, unit="s", start=5.0)
+    chart = format_chart(timeline, width=60, color=False)
+    assert "makespan 60 ms" in chart.splitlines()[0]
+    assert chart_rows(chart, 2)[0].startswith("0 |F0")
+
+
+def test_timeline_str_is_the_uncolored_chart() -> None:
+    timeline = fill_drain(2, 3)
+    text = str(timeline)
+    assert text.startswith("gpipe: 2 devices, 3 micro-batches")
+    assert "\x1b" not in text
+
+
+def test_plot_writes_a_png_of_the_expected_size(tmp_path: Path) -> None:
+    import matplotlib.image
+
+    single = plot(fill_drain(4, 8), tmp_path / "gantt.png")
+    image = matplotlib.image.imread(single)
+    assert single.stat().st_size > 10_000
+    assert image.shape[1] == 1200  # 12 inches at 100 dpi
+    assert image.shape[0] > 200
+    # Some pixels are the forward colour #4c72b0 (76, 114, 176).
+    rgb = (image[..., :3] * 255).round()
+    assert ((rgb == [76, 114, 176]).all(axis=-1)).sum() > 1000
+
+
+def test_plot_compare_and_memory_add_panels(tmp_path: Path) -> None:
+    import matplotlib.image
+
+    measured = fill_drain(4, 8, forward=0.011, backward=0.012, unit="s")
+    predicted = fill_drain(4, 8, forward=0.01, backward=0.01)
+    plain = matplotlib.image.imread(plot(predicted, tmp_path / "a.png"))
+    both = matplotlib.image.imread(measured.plot(tmp_path / "b.png", compare=predicted))
+    # b has a second Gantt panel and the memory panel (measured has memory > 0).
+    assert both.shape[0] > plain.shape[0]
+    assert both.shape[1] == plain.shape[1] == 1200
+
+
+def test_plot_draws_large_pipelines(tmp_path: Path) -> None:
+    import matplotlib.image
+
+    out = plot(fill_drain(16, 64, weight=1.0), tmp_path / "nested" / "big.png", title="K=16")
+    assert matplotlib.image.imread(out).shape[1] == 1200
+
+
+def test_chrome_trace_has_one_complete_event_per_action(tmp_path: Path) -> None:
+    timeline = fill_drain(3, 4, weight=1.0, unit="s", start=2.0)
+    path = tmp_path / "trace.json"
+    trace = to_chrome_trace(timeline, path)
+    assert json.loads(path.read_text()) == trace
+    complete = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert len(complete) == 3 * 4 * 3
+    by_key = {(e["tid"], e["name"]): e for e in complete}
+    assert len(by_key) == len(complete)
+    for device, events in enumerate(timeline.events):
+        for event in events:
+            action = event.action
+            record = by_key[(device, f"{action.kind}{action.microbatch}")]
+            assert record["pid"] == 0
+            assert record["ts"] == pytest.approx((event.start - 2.0) * 1e6)
+            assert record["dur"] == pytest.approx(event.duration * 1e6)
+            assert record["args"] == {
+                "stage": action.stage,
+                "microbatch": action.microbatch,
+                "memory": event.memory,
+            }
+
+
+def test_chrome_trace_counts_memory_and_names_threads() -> None:
+    trace = fill_drain(2, 2).to_chrome_trace()
+    counters = [e for e in trace["traceEvents"] if e["ph"] == "C"]
+    assert len(counters) == 2 * 2 * 2
+    assert {c["name"] for c in counters} == {"memory device 0", "memory device 1"}
+    threads = [e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"]
+    assert threads == ["device 0", "device 1"]
+
+
+def test_chrome_trace_shows_a_cost_unit_as_one_millisecond() -> None:
+    trace = to_chrome_trace(fill_drain(2, 2, forward=1.0, backward=2.5))
+    durations = sorted({e["dur"] for e in trace["traceEvents"] if e["ph"] == "X"})
+    assert durations == [1000.0, 2500.0]
+    assert trace["otherData"]["unit"] == "cost"
+
+
+def test_chrome_trace_rejects_unknown_units() -> None:
+    with pytest.raises(ValueError, match="expected one of"):
+        to_chrome_trace(Timeline([[Event(Action("F", 0, 0), 0, 1)]], unit="furlong"))
