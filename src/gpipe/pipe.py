@@ -18,6 +18,7 @@ from gpipe.runtime.transport import ACTIVATION, GRADIENT
 from gpipe.runtime.worker import Stages
 from gpipe.schedule import Schedule, make_schedule
 from gpipe.schedule.action import BACKWARD, FORWARD
+from gpipe.structure import leaves, map_tensors
 from gpipe.timeline import Timeline
 
 __all__ = ["GPipe"]
@@ -294,21 +295,17 @@ class GPipe(nn.Module):
 
 
 def _on(value: Any, device: torch.device) -> Any:
-    return pytree.tree_map_only(torch.Tensor, lambda t: t.to(device), value)
+    return map_tensors(lambda t: t.to(device), value)
 
 
 def _to_stage(microbatch: Any) -> Any:
     """What stage 0 receives: the micro-batch cut from the caller's graph."""
-    return pytree.tree_map_only(
-        torch.Tensor, lambda t: t.detach().requires_grad_(t.requires_grad), microbatch
-    )
+    return map_tensors(lambda t: t.detach().requires_grad_(t.requires_grad), microbatch)
 
 
 def _input_leaves(microbatch: Any) -> list[torch.Tensor]:
     return [
-        leaf
-        for leaf in pytree.tree_leaves(microbatch)
-        if isinstance(leaf, torch.Tensor) and leaf.requires_grad
+        leaf for leaf in leaves(microbatch) if isinstance(leaf, torch.Tensor) and leaf.requires_grad
     ]
 
 
@@ -319,7 +316,7 @@ def _backward_into_input(step: Step, microbatches: list[Any]) -> None:
         if not _input_leaves(mb):
             continue
         received = step.transport.collect((GRADIENT, -1, i))
-        for leaf, grad in zip(pytree.tree_leaves(mb), received):
+        for leaf, grad in zip(leaves(mb), received):
             if grad is not None and isinstance(leaf, torch.Tensor) and leaf.requires_grad:
                 roots.append(leaf)
                 grads.append(grad.to(leaf.device))
@@ -343,23 +340,20 @@ class _PipelineBackward(torch.autograd.Function):
         differentiable = [
             [
                 isinstance(leaf, torch.Tensor) and (leaf.is_floating_point() or leaf.is_complex())
-                for leaf in leaves
+                for leaf in flat
             ]
-            for leaves, _ in out_flat
+            for flat, _ in out_flat
         ]
         inputs = [_input_leaves(mb) for mb in microbatches]
         masks = [
-            [
-                isinstance(leaf, torch.Tensor) and leaf.requires_grad
-                for leaf in pytree.tree_leaves(mb)
-            ]
+            [isinstance(leaf, torch.Tensor) and leaf.requires_grad for leaf in leaves(mb)]
             for mb in microbatches
         ]
         tensors = [t for group in inputs for t in group]
         tensors += [
             leaf.detach()
-            for (leaves, _), mask in zip(out_flat, differentiable)
-            for leaf, keep in zip(leaves, mask)
+            for (flat, _), mask in zip(out_flat, differentiable)
+            for leaf, keep in zip(flat, mask)
             if keep
         ]
         # NOTE: a phony input that requires grad makes the outputs require grad even when
@@ -368,9 +362,9 @@ class _PipelineBackward(torch.autograd.Function):
         meta = (step, backward, inputs, masks, differentiable)
         results = iter(_PipelineBackward.apply(meta, phony, *tensors))
         connected = []
-        for (leaves, spec), mask in zip(out_flat, differentiable):
-            leaves = [next(results) if keep else leaf for leaf, keep in zip(leaves, mask)]
-            connected.append(pytree.tree_unflatten(leaves, spec))
+        for (flat, spec), mask in zip(out_flat, differentiable):
+            joined = [next(results) if keep else leaf for leaf, keep in zip(flat, mask)]
+            connected.append(pytree.tree_unflatten(joined, spec))
         return connected
 
     @staticmethod

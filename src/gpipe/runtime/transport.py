@@ -6,7 +6,8 @@ import threading
 from typing import Any
 
 import torch
-from torch.utils import _pytree as pytree
+
+from gpipe.structure import map_tensors
 
 __all__ = ["ACTIVATION", "GRADIENT", "Aborted", "LocalTransport", "Tag"]
 
@@ -56,7 +57,7 @@ class _Mailbox:
 
 def to_device(value: Any, device: torch.device) -> Any:
     """Move every tensor in ``value`` to ``device`` (no copy when already there)."""
-    return pytree.tree_map_only(torch.Tensor, lambda t: t.to(device, non_blocking=True), value)
+    return map_tensors(lambda t: t.to(device, non_blocking=True), value)
 
 
 class LocalTransport:

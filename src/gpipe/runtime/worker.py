@@ -9,12 +9,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from torch.utils import _pytree as pytree
 
 from gpipe.checkpoint import checkpointed
 from gpipe.randomness import RandomProbe, seeded, stream_seed
 from gpipe.runtime.transport import ACTIVATION, GRADIENT
 from gpipe.schedule.action import BACKWARD, FORWARD, Action
+from gpipe.structure import leaves, map_tensors
 from gpipe.timeline import Event
 
 if TYPE_CHECKING:
@@ -58,7 +58,7 @@ class _SavedBytes:
         self._seen = set(exclude)
         self._exclude = len(exclude)
         self.nbytes = 0
-        for leaf in pytree.tree_leaves(inputs):
+        for leaf in leaves(inputs):
             if isinstance(leaf, torch.Tensor):
                 self.add(leaf)
 
@@ -83,15 +83,12 @@ class _SavedBytes:
 
 def _as_leaves(value: Any) -> Any:
     """Cut ``value``'s tensors from any graph, keeping whether they need a gradient."""
-    return pytree.tree_map_only(
-        torch.Tensor, lambda t: t.detach().requires_grad_(t.requires_grad), value
-    )
+    return map_tensors(lambda t: t.detach().requires_grad_(t.requires_grad), value)
 
 
 def _for_next_stage(value: Any) -> Any:
     """Detach outputs for the next stage; floating tensors there need gradients."""
-    return pytree.tree_map_only(
-        torch.Tensor,
+    return map_tensors(
         lambda t: t.detach().requires_grad_(t.is_floating_point() or t.is_complex()),
         value,
     )
@@ -101,7 +98,7 @@ def _grad_leaves(value: Any) -> list[torch.Tensor | None]:
     """The flattened leaves of ``value``, with None for those that take no gradient."""
     return [
         leaf if isinstance(leaf, torch.Tensor) and leaf.requires_grad else None
-        for leaf in pytree.tree_leaves(value)
+        for leaf in leaves(value)
     ]
 
 
@@ -186,7 +183,7 @@ class StageWorker:
         else:
             roots = [
                 (out, grad)
-                for out, grad in zip(pytree.tree_leaves(saved.outputs), grads)
+                for out, grad in zip(leaves(saved.outputs), grads)
                 if grad is not None and isinstance(out, torch.Tensor) and out.requires_grad
             ]
         inputs = _grad_leaves(saved.inputs)

@@ -1,0 +1,51 @@
+"""Shared fixtures: small float64 models and the plain-PyTorch reference they must match."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+from torch import nn
+
+
+def make_mlp(
+    layers: int = 8, width: int = 6, *, dropout: float = 0.0, seed: int = 0
+) -> nn.Sequential:
+    """An MLP of ``layers`` blocks (Linear, Tanh[, Dropout]) in float64, seeded."""
+    torch.manual_seed(seed)
+    blocks: list[nn.Module] = []
+    for _ in range(layers):
+        blocks += [nn.Linear(width, width), nn.Tanh()]
+        if dropout:
+            blocks.append(nn.Dropout(dropout))
+    return nn.Sequential(*blocks).double()
+
+
+def reference_step(
+    model: nn.Sequential, x: torch.Tensor, target: torch.Tensor, loss_fn: Callable
+) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor], torch.Tensor | None]:
+    """Plain PyTorch: output, loss, every parameter's grad and the input's grad."""
+    x = x.detach().clone().requires_grad_(x.requires_grad)
+    output = model(x)
+    loss = loss_fn(output, target)
+    loss.backward()
+    grads = [p.grad.detach().clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    return output.detach(), loss.detach(), grads, x.grad
+
+
+@pytest.fixture
+def mlp() -> Callable[..., nn.Sequential]:
+    return make_mlp
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_threads() -> Iterator[None]:
+    """Every test ends with no gpipe worker thread left running."""
+    yield
+    leftover = [t for t in threading.enumerate() if t.name.startswith("gpipe-")]
+    for thread in leftover:
+        thread.join(timeout=5)
+    assert not [t for t in leftover if t.is_alive()], "a gpipe worker thread outlived its step"

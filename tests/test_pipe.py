@@ -1,0 +1,266 @@
+"""GPipe's API: construction, sequence access, inputs of any structure, modes, failures."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from conftest import make_mlp
+from torch import nn
+from torch.nn import functional as F
+from torch.testing import assert_close
+
+from gpipe import GPipe
+
+
+def test_partitions_hold_the_users_own_layers() -> None:
+    model = make_mlp(4)
+    pipe = GPipe(model, [3, 5], chunks=2)
+    assert isinstance(pipe.partitions, nn.ModuleList) and len(pipe.partitions) == 2
+    assert [len(p) for p in pipe.partitions] == [3, 5]
+    assert pipe.partitions[1][0] is model[3]
+    assert pipe.balance == [3, 5] and pipe.chunks == 2 and pipe.checkpoint == "except_last"
+    assert pipe.devices == [torch.device("cpu")] * 2
+
+
+def test_pipe_is_sequence_like_as_torchgpipe() -> None:
+    model = make_mlp(3)
+    pipe = GPipe(model, [2, 4])
+    assert len(pipe) == 6
+    assert pipe[0] is model[0] and pipe[-1] is model[5]
+    assert list(pipe) == list(model)
+    with pytest.raises(IndexError):
+        pipe[6]
+
+
+def test_parameters_are_the_models_parameters() -> None:
+    model = make_mlp(4)
+    pipe = GPipe(model, [4, 4])
+    assert {id(p) for p in pipe.parameters()} == {id(p) for p in model.parameters()}
+
+
+def test_default_balance_splits_parameters_evenly_without_empty_stage() -> None:
+    model = nn.Sequential(
+        nn.Linear(100, 100), nn.ReLU(), nn.Linear(100, 10), nn.ReLU(), nn.Linear(10, 10), nn.ReLU()
+    )
+    pipe = GPipe(model, devices=["cpu", "cpu", "cpu"])
+    assert pipe.balance == [1, 4, 1]  # the big layer alone; fewest layers last
+    assert all(b >= 1 for b in pipe.balance)
+
+
+def test_tuple_inputs_and_outputs_flow_through_stages() -> None:
+    class Mix(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(
+            self, pair: tuple[torch.Tensor, torch.Tensor]
+        ) -> tuple[torch.Tensor, torch.Tensor]:
+            x, y = pair
+            return torch.tanh(self.a(x) + y), self.b(y)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(Mix(), Mix(), Mix()).double()
+    x = torch.randn(7, 4, dtype=torch.float64)
+    y = torch.randn(7, 4, dtype=torch.float64, requires_grad=True)
+    out_plain = model((x, y))
+    (out_plain[0].sum() + out_plain[1].pow(2).sum()).backward()
+    expected = [p.grad.clone() for p in model.parameters()]
+    expected_y = y.grad.clone()
+    model.zero_grad()
+    y.grad = None
+
+    pipe = GPipe(model, [1, 1, 1], chunks=3)
+    out = pipe((x, y))
+    (out[0].sum() + out[1].pow(2).sum()).backward()
+    assert_close(out[0], out_plain[0])
+    for p, g in zip(model.parameters(), expected):
+        assert_close(p.grad, g)
+    assert_close(y.grad, expected_y)
+
+
+def test_dict_input_with_non_tensor_value_reaches_every_microbatch() -> None:
+    seen = []
+
+    class Scale(nn.Module):
+        def forward(self, batch: dict) -> torch.Tensor:
+            seen.append(batch["factor"])
+            return batch["x"] * batch["factor"]
+
+    pipe = GPipe(nn.Sequential(Scale(), nn.Identity()), [1, 1], chunks=4)
+    x = torch.arange(8.0).view(8, 1)
+    with torch.no_grad():
+        out = pipe({"x": x, "factor": 3})
+    assert torch.equal(out, x * 3)
+    assert seen == [3, 3, 3, 3]
+
+
+def test_no_grad_runs_forward_only_and_keeps_nothing() -> None:
+    model = make_mlp(4)
+    pipe = GPipe(model, [4, 4], chunks=4)
+    x = torch.randn(8, 6, dtype=torch.float64)
+    with torch.no_grad():
+        out = pipe(x)
+    assert not out.requires_grad
+    assert_close(out, model(x).detach())
+    assert [e.action.kind for e in pipe.timeline.events[0]] == ["F"] * 4
+    assert pipe.timeline.peak_memory == [0, 0]
+
+
+def test_eval_mode_turns_dropout_off_and_does_not_checkpoint() -> None:
+    model = make_mlp(4, dropout=0.5).eval()
+    pipe = GPipe(model, [6, 6], chunks=2, checkpoint="always").eval()
+    x = torch.randn(4, 6, dtype=torch.float64)
+    assert_close(pipe(x), model(x))
+    # nothing was checkpointed: every micro-batch kept activations beyond its input
+    input_bytes = 2 * 6 * 8
+    assert min(e.memory for e in pipe.timeline.events[0]) > input_bytes
+
+
+def test_output_lands_on_last_device() -> None:
+    pipe = GPipe(make_mlp(2), [2, 2], devices=["cpu", torch.device("cpu")], chunks=2)
+    assert pipe(torch.randn(4, 6, dtype=torch.float64)).device == torch.device("cpu")
+
+
+def test_timeline_records_every_action_once() -> None:
+    pipe = GPipe(make_mlp(4), [2, 2, 2, 2], chunks=3)
+    pipe.train_step(
+        torch.randn(6, 6, dtype=torch.float64), torch.randn(6, 6, dtype=torch.float64), F.mse_loss
+    )
+    timeline = pipe.timeline
+    assert timeline.devices == 4
+    for stage, events in enumerate(timeline.events):
+        assert sorted((e.action.kind, e.action.microbatch) for e in events) == sorted(
+            [("F", i) for i in range(3)] + [("B", i) for i in range(3)]
+        )
+        assert all(e.action.stage == stage and e.end >= e.start >= 0 for e in events)
+    assert 0 < timeline.bubble < 1
+    assert timeline.makespan > 0
+
+
+class Fails(nn.Module):
+    def __init__(self, when: str, microbatch: int) -> None:
+        super().__init__()
+        self.when, self.microbatch, self.calls = when, microbatch, 0
+        self.linear = nn.Linear(6, 6).double()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.when == "forward" and self.calls == self.microbatch:
+            self.calls += 1
+            raise ArithmeticError("bad forward")
+        self.calls += 1
+        out = self.linear(x)
+        if self.when == "backward":
+            out = _FailBackward.apply(out)
+        return out
+
+
+class _FailBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        raise ArithmeticError("bad backward")
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("when", ["forward", "backward"])
+def test_exception_in_a_stage_reaches_caller_without_hang(when: str) -> None:
+    model = nn.Sequential(nn.Linear(6, 6), Fails(when, 1), nn.Linear(6, 6)).double()
+    pipe = GPipe(model, [1, 1, 1], chunks=4, checkpoint="never")
+    x = torch.randn(8, 6, dtype=torch.float64)
+    target = torch.randn(8, 6, dtype=torch.float64)
+    with pytest.raises(ArithmeticError, match=rf"bad {when}.*stage 1") as info:
+        pipe.train_step(x, target, F.mse_loss)
+    if when == "forward":
+        assert "micro-batch 1" in str(info.value)
+    assert not [t for t in threading.enumerate() if t.name.startswith("gpipe-")]
+    # the pipe works for the next step
+    model[1].when = "never"
+    loss = pipe.train_step(x, target, F.mse_loss)
+    assert torch.isfinite(loss)
+
+
+@pytest.mark.timeout(30)
+def test_exception_during_user_backward_reaches_caller() -> None:
+    model = nn.Sequential(nn.Linear(6, 6), Fails("backward", 0), nn.Linear(6, 6)).double()
+    pipe = GPipe(model, [1, 1, 1], chunks=2)
+    out = pipe(torch.randn(4, 6, dtype=torch.float64))
+    with pytest.raises(ArithmeticError, match="bad backward"):
+        out.sum().backward()
+
+
+def test_train_step_under_no_grad_is_an_error() -> None:
+    pipe = GPipe(make_mlp(2), [2, 2])
+    with torch.no_grad(), pytest.raises(RuntimeError, match="no_grad"):
+        pipe.train_step(torch.randn(2, 6, dtype=torch.float64), torch.randn(2, 6), F.mse_loss)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"balance": [3, 3]}, ValueError, "sums to 6 but the module has 8 layers"),
+        ({"balance": [4, 0, 4]}, ValueError, "at least one layer"),
+        ({"balance": [5, -1, 4]}, ValueError, "at least one layer"),
+        ({"balance": "4,4"}, TypeError, "list of ints"),
+        ({"balance": [4, 4], "devices": ["cpu"] * 3}, ValueError, "balance lists 2 stages"),
+        ({"devices": ["cpu"] * 9}, ValueError, "more stages"),
+        ({"balance": [4, 4], "chunks": 0}, ValueError, "chunks must be an int >= 1"),
+        ({"balance": [4, 4], "checkpoint": "sometimes"}, ValueError, "'except_last'"),
+        ({"balance": [4, 4], "schedule": "magic"}, ValueError, "unknown schedule 'magic'"),
+        ({"balance": [4, 4], "devices": "cpu"}, TypeError, "one device per stage"),
+    ],
+)
+def test_bad_construction_names_the_fix(kwargs: dict, error: type, match: str) -> None:
+    with pytest.raises(error, match=match):
+        GPipe(make_mlp(4), **kwargs)
+
+
+def test_module_must_be_sequential() -> None:
+    with pytest.raises(TypeError, match="nn.Sequential"):
+        GPipe(nn.Linear(2, 2), [1])  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("batch", "error", "match"),
+    [
+        (torch.randn(0, 6, dtype=torch.float64), ValueError, "empty"),
+        ((torch.randn(4, 6), torch.randn(3, 6)), ValueError, "same batch size"),
+    ],
+)
+def test_bad_batches_name_the_fix(batch: object, error: type, match: str) -> None:
+    pipe = GPipe(make_mlp(2), [2, 2], chunks=2)
+    with pytest.raises(error, match=match):
+        pipe(batch)
+
+
+def test_target_batch_must_match_input() -> None:
+    pipe = GPipe(make_mlp(2), [2, 2], chunks=2)
+    with pytest.raises(ValueError, match="target has batch size 3 but input has 4"):
+        pipe.train_step(torch.randn(4, 6, dtype=torch.float64), torch.randn(3, 6), F.mse_loss)
+
+
+def test_moving_the_pipe_is_denied_but_dtype_is_fine() -> None:
+    pipe = GPipe(make_mlp(2).float(), [2, 2])
+    for move in (
+        lambda: pipe.to("cpu"),
+        lambda: pipe.cpu(),
+        lambda: pipe.cuda(),
+        lambda: pipe.to(device="cpu"),
+    ):
+        with pytest.raises(TypeError, match="devices="):
+            move()
+    pipe.to(torch.float64)
+    assert next(pipe.parameters()).dtype == torch.float64
+
+
+def test_layer_moved_after_wrapping_is_reported() -> None:
+    model = make_mlp(2)
+    pipe = GPipe(model, [2, 2])
+    model[2].to("meta")
+    with pytest.raises(ValueError, match="'2.weight' of stage 1 is on meta.*devices="):
+        pipe(torch.randn(2, 6, dtype=torch.float64))
