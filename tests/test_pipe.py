@@ -6,11 +6,11 @@ import threading
 
 import pytest
 import torch
-from conftest import make_mlp
 from torch import nn
 from torch.nn import functional as F
 from torch.testing import assert_close
 
+from conftest import make_mlp
 from gpipe import GPipe
 
 
@@ -221,7 +221,7 @@ def test_bad_construction_names_the_fix(kwargs: dict, error: type, match: str) -
 
 
 def test_module_must_be_sequential() -> None:
-    with pytest.raises(TypeError, match="nn.Sequential"):
+    with pytest.raises(TypeError, match=r"nn\.Sequential"):
         GPipe(nn.Linear(2, 2), [1])  # type: ignore[arg-type]
 
 
@@ -262,5 +262,5 @@ def test_layer_moved_after_wrapping_is_reported() -> None:
     model = make_mlp(2)
     pipe = GPipe(model, [2, 2])
     model[2].to("meta")
-    with pytest.raises(ValueError, match="'2.weight' of stage 1 is on meta.*devices="):
+    with pytest.raises(ValueError, match=r"'2\.weight' of stage 1 is on meta.*devices="):
         pipe(torch.randn(2, 6, dtype=torch.float64))

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_mlp
 from torch.nn import functional as F
 
+from conftest import make_mlp
 from gpipe import GPipe
 from gpipe.randomness import draw_step_seed, stream_seed
 

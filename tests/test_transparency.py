@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_mlp, reference_step
 from torch import nn
 from torch.nn import functional as F
 from torch.testing import assert_close
 
+from conftest import make_mlp, reference_step
 from gpipe import GPipe
 
 BALANCES = {"one_stage": [16], "even": [4, 4, 4, 4], "uneven": [1, 6, 2, 7]}
