@@ -86,7 +86,7 @@ def format_chart(timeline: Timeline, width: int | None = None, color: bool | Non
     lines.append(" " * (label_width + 2) + "0" + end.rjust(columns - 1))
     peaks = timeline.peak_memory
     if any(peaks):
-        lines.append("peak memory per device: " + ", ".join(str(p) for p in peaks))
+        lines.append("peak memory per device: " + ", ".join(f"{p:g}" for p in peaks))
     lines.extend(_legend(timeline, color, width))
     return "\n".join(lines)
 
@@ -297,6 +297,8 @@ def _draw_gantt(ax: Axes, timeline: Timeline, span: float, name: str, *, first: 
     ax.grid(axis="x", alpha=0.3)
     if first:
         handles = [Patch(color=_PLOT_COLOR[k], label=_NAMES[k]) for k in _kinds(timeline)]
+        if chunks > 1:
+            handles.append(Patch(color="#d0d0d0", label="lighter: later virtual stage"))
         ax.legend(handles=handles, loc="lower right", bbox_to_anchor=(1.0, 1.0), ncols=3,
                   fontsize=8, frameon=False)
 
@@ -315,6 +317,7 @@ def _draw_memory(ax: Axes, timeline: Timeline) -> None:
         ys = [e.memory for e in events] + [events[-1].memory]
         shade = device / max(timeline.devices - 1, 1) if timeline.devices > 10 else device
         ax.step(xs, ys, where="post", linewidth=1.0, label=f"dev {device}", color=palette(shade))
+    ax.set_ylim(bottom=0)
     ax.set_ylabel("memory (bytes)" if timeline.unit == "s" else "memory", fontsize=8)
     ax.set_title("held for backward, per device", loc="left", fontsize=10)
     ax.legend(fontsize=6, ncols=min(timeline.devices, 8), loc="upper right", frameon=False)

@@ -1,0 +1,183 @@
+"""The gpipe command line: simulate, bubble, and the commands plugged in from other modules."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+import gpipe.schedule
+from gpipe.cli import _optional_module, bubble_formula, build_parser, main
+
+
+def result_fields(output: str) -> dict[str, str]:
+    last = output.strip().splitlines()[-1]
+    assert last.startswith("RESULT ")
+    return dict(field.split("=", 1) for field in last.split()[1:])
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
+    code = main(list(argv))
+    return code, capsys.readouterr().out
+
+
+def bad_args(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        main(list(argv))
+    assert exit_info.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_simulate_gpipe_reports_the_fill_drain_bubble(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out = run(capsys, "simulate", "--stages", "4", "--microbatches", "8",
+                    "--schedule", "gpipe", "--no-color")
+    assert code == 0
+    fields = result_fields(out)
+    assert fields["schedule"] == "gpipe"
+    assert (fields["stages"], fields["microbatches"]) == ("4", "8")
+    assert fields["bubble"] == f"{3 / 11:.4f}" == "0.2727"
+    # F=1 and B+W=2 per micro-batch and stage: (M+K-1) * 3 = 33.
+    assert fields["makespan"] == "33"
+    # GPipe holds every micro-batch's activations before the first backward.
+    assert fields["peak_memory"] == "8,8,8,8"
+    assert float(fields["sim_seconds"]) >= 0
+
+
+def test_simulate_prints_the_grid_and_an_uncolored_chart(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    _, out = run(capsys, "simulate", "-K", "2", "-M", "3", "--no-color", "--width", "80")
+    assert "0F0" in out and "1B2" in out  # the step x device grid
+    assert "gpipe: 2 devices, 3 micro-batches, makespan 12 cost" in out
+    assert "\x1b" not in out
+
+
+def test_simulate_1f1b_holds_fewer_activations_down_the_pipeline(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    _, out = run(capsys, "simulate", "-K", "4", "-M", "8", "-s", "1f1b", "--no-color")
+    fields = result_fields(out)
+    assert fields["peak_memory"] == "4,3,2,1"
+    assert fields["bubble"] == "0.2727"
+
+
+def test_simulate_costs_and_transfer_change_the_makespan(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    _, out = run(capsys, "simulate", "-K", "2", "-M", "2", "--costs", "1,2,0",
+                 "--transfer", "0.5", "--no-color")
+    # F0 F1 on dev 0 (0..2), dev 1 F at 1.5..2.5 and 2.5..3.5, B1 3.5..5.5, B0 5.5..7.5;
+    # dev 0 runs B1 at 6..8 and B0 at 8..10.
+    assert result_fields(out)["makespan"] == "10"
+
+
+def test_simulate_writes_plot_and_trace(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    png, trace = tmp_path / "sim.png", tmp_path / "sim.json"
+    code, out = run(capsys, "simulate", "-K", "2", "-M", "4", "--no-color",
+                    "--plot", str(png), "--trace", str(trace))
+    assert code == 0
+    assert png.stat().st_size > 10_000
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert sum(e["ph"] == "X" for e in events) == 2 * 4 * 2
+    assert f"wrote {png}" in out and f"wrote {trace}" in out
+    assert out.strip().splitlines()[-1].startswith("RESULT ")
+
+
+def test_bubble_table_matches_formulas(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out = run(capsys, "bubble", "--stages", "2", "4", "--microbatches", "2", "4", "8",
+                    "--schedule", "gpipe", "interleaved")
+    assert code == 0
+    fields = result_fields(out)
+    assert fields["cells"] == "12"
+    # Interleaved K=4 M=2 has no closed form (4 does not divide 2): 11 of 12 compared.
+    assert fields["compared"] == "11"
+    assert float(fields["max_abs_error"]) < 1e-9
+    assert "0.273 (0.273)" in out  # gpipe K=4 M=8: 3/11
+    assert "(n/a)" in out
+
+
+def test_bubble_marks_schedules_that_cannot_be_built(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = gpipe.schedule.make_schedule
+
+    def only_even(name: str, stages: int, microbatches: int, **kw: int) -> gpipe.Schedule:
+        if microbatches % 2:
+            raise ValueError("odd")
+        return real(name, stages, microbatches, **kw)
+
+    monkeypatch.setattr(gpipe.schedule, "make_schedule", only_even)
+    _, out = run(capsys, "bubble", "-K", "2", "-M", "1", "2", "-s", "gpipe")
+    row = next(line for line in out.splitlines() if line.split()[:1] == ["2"])
+    assert row.split() == ["2", "-", "0.333", "(0.333)"]
+    assert result_fields(out)["cells"] == "1"
+
+
+def test_bubble_formulas_follow_the_papers() -> None:
+    assert bubble_formula("gpipe", 4, 8, 1) == pytest.approx(3 / 11)
+    assert bubble_formula("1f1b", 8, 1, 1) == pytest.approx(7 / 8)
+    assert bubble_formula("interleaved", 4, 8, 2) == pytest.approx(3 / 19)
+    assert bubble_formula("interleaved", 4, 6, 2) is None
+    assert bubble_formula("zb-h1", 4, 8, 1) == pytest.approx(3 / 27)
+    assert bubble_formula("zb-h1", 8, 4, 1) is None
+    assert bubble_formula("unknown", 4, 8, 1) is None
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["simulate", "-K", "0", "-M", "4"], "expected a whole number >= 1, got 0"),
+        (["simulate", "-K", "four", "-M", "4"], "expected a whole number >= 1, got 'four'"),
+        (["simulate", "-M", "4"], "the following arguments are required: --stages"),
+        (["simulate", "-K", "2", "-M", "4", "--costs", "1,2"], "as F,B,W"),
+        (["simulate", "-K", "2", "-M", "4", "--transfer", "-1"], "expected a number >= 0"),
+        (["simulate", "-K", "2", "-M", "4", "-s", "nope"], "invalid choice: 'nope'"),
+        (["simulate", "-K", "2", "-M", "4", "-v", "2"], "use schedule='interleaved'"),
+        (["bubble", "-M", "0"], "expected a whole number >= 1"),
+        ([], "required: COMMAND"),
+    ],
+)
+def test_bad_arguments_exit_2_naming_the_fix(
+    capsys: pytest.CaptureFixture[str], argv: list[str], message: str
+) -> None:
+    err = bad_args(capsys, *argv)
+    assert message in err
+    assert "Traceback" not in err
+
+
+def test_missing_command_module_is_left_out() -> None:
+    assert _optional_module("gpipe.no_such_command") is None
+
+
+def test_broken_command_module_is_not_hidden(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "gpipe_broken_cmd.py").write_text("import gpipe_no_such_dependency\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ModuleNotFoundError, match="gpipe_no_such_dependency"):
+        _optional_module("gpipe_broken_cmd")
+
+
+def test_plugged_command_registers_and_runs(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    plan = types.ModuleType("gpipe.plan", "Plan a pipeline.\n\nMore text.")
+
+    def add_arguments(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--layers", type=int, required=True)
+
+    def run_plan(args: argparse.Namespace) -> int:
+        print(f"planned {args.layers}")
+        return 3
+
+    plan.add_arguments = add_arguments  # type: ignore[attr-defined]
+    plan.run = run_plan  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "gpipe.plan", plan)
+    assert "Plan a pipeline." in build_parser().format_help()
+    assert run(capsys, "plan", "--layers", "5") == (3, "planned 5\n")
