@@ -69,6 +69,14 @@ def test_chart_header_names_schedule_makespan_and_bubble() -> None:
     )
 
 
+def test_chart_draws_whole_number_costs_at_a_whole_number_of_characters() -> None:
+    # 76 columns available for a makespan of 22: 3 characters per cost unit, 66 in all.
+    rows = chart_rows(format_chart(fill_drain(4, 8), width=80, color=False), 4)
+    assert rows[0] == "0 |" + "".join(f"F{i}>" for i in range(8)) + " " * 18 + "".join(
+        f"B{i}<" for i in reversed(range(8))) + "|"
+    assert rows[3].startswith("3 |" + " " * 9 + "F0>F1>")
+
+
 def test_chart_without_color_has_no_ansi_codes_and_fits_width() -> None:
     chart = format_chart(fill_drain(4, 8, weight=1.0), width=72, color=False)
     assert "\x1b" not in chart

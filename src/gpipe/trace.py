@@ -77,7 +77,7 @@ def format_chart(timeline: Timeline, width: int | None = None, color: bool | Non
     if color is None:
         color = sys.stdout.isatty() and not os.environ.get("NO_COLOR")
     label_width = len(str(max(timeline.devices - 1, 0)))
-    columns = max(width - label_width - 3, _MIN_COLUMNS)
+    columns = _snap(timeline, max(width - label_width - 3, _MIN_COLUMNS))
     lines = [_header(timeline)]
     for device, events in enumerate(timeline.events):
         cells = _render_row(events, timeline.start, timeline.makespan, columns, color)
@@ -89,6 +89,22 @@ def format_chart(timeline: Timeline, width: int | None = None, color: bool | Non
         lines.append("peak memory per device: " + ", ".join(f"{p:g}" for p in peaks))
     lines.extend(_legend(timeline, color, width))
     return "\n".join(lines)
+
+
+def _snap(timeline: Timeline, columns: int) -> int:
+    """Shrink ``columns`` to a whole number of characters per time unit when that is exact.
+
+    Simulated timelines with whole-number costs then draw every block of one cost the same
+    width, instead of blocks one character wider or narrower from rounding.
+    """
+    span = timeline.makespan
+    if span < 1 or columns < span:
+        return columns
+    origin = timeline.start
+    times = [t - origin for device in timeline.events for e in device for t in (e.start, e.end)]
+    if all(abs(t - round(t)) < 1e-9 for t in times) and abs(span - round(span)) < 1e-9:
+        return columns // round(span) * round(span)
+    return columns
 
 
 def _header(timeline: Timeline) -> str:
