@@ -207,3 +207,9 @@ def test_chrome_trace_shows_a_cost_unit_as_one_millisecond() -> None:
 def test_chrome_trace_rejects_unknown_units() -> None:
     with pytest.raises(ValueError, match="expected one of"):
         to_chrome_trace(Timeline([[Event(Action("F", 0, 0), 0, 1)]], unit="furlong"))
+
+
+def test_chart_shows_measured_peak_memory_in_binary_units() -> None:
+    events = [[Event(Action("F", d, 0), 0.0, 0.5, memory=(d + 1) * 3 * 2**20)] for d in range(2)]
+    chart = format_chart(Timeline(events, "s"), width=40, color=False)
+    assert "peak memory per device: 3 MiB, 6 MiB" in chart.splitlines()

@@ -86,7 +86,8 @@ def format_chart(timeline: Timeline, width: int | None = None, color: bool | Non
     lines.append(" " * (label_width + 2) + "0" + end.rjust(columns - 1))
     peaks = timeline.peak_memory
     if any(peaks):
-        lines.append("peak memory per device: " + ", ".join(f"{p:g}" for p in peaks))
+        shown = ", ".join(_format_memory(p, timeline.unit) for p in peaks)
+        lines.append(f"peak memory per device: {shown}")
     lines.extend(_legend(timeline, color, width))
     return "\n".join(lines)
 
@@ -128,6 +129,15 @@ def _format_time(value: float, unit: str) -> str:
     if unit == "s":
         return f"{value * 1e3:.3g} ms" if value < 1 else f"{value:.3g} s"
     return f"{value:.6g} {unit}"
+
+
+def _format_memory(value: float, unit: str) -> str:
+    if unit == "s":  # measured timelines count bytes
+        for prefix in ("B", "KiB", "MiB", "GiB"):
+            if abs(value) < 1024 or prefix == "GiB":
+                return f"{value:.0f} B" if prefix == "B" else f"{value:.3g} {prefix}"
+            value /= 1024
+    return f"{value:.0f}" if value == int(value) else f"{value:.4g}"
 
 
 def _legend(timeline: Timeline, color: bool, width: int) -> list[str]:
@@ -321,6 +331,7 @@ def _draw_gantt(ax: Axes, timeline: Timeline, span: float, name: str, *, first: 
 
 def _draw_memory(ax: Axes, timeline: Timeline) -> None:
     from matplotlib import colormaps
+    from matplotlib.ticker import FuncFormatter
 
     origin = timeline.start
     # Past ten devices the default colour cycle repeats; a gradient keeps them in order.
@@ -334,7 +345,8 @@ def _draw_memory(ax: Axes, timeline: Timeline) -> None:
         shade = device / max(timeline.devices - 1, 1) if timeline.devices > 10 else device
         ax.step(xs, ys, where="post", linewidth=1.0, label=f"dev {device}", color=palette(shade))
     ax.set_ylim(bottom=0)
-    ax.set_ylabel("memory (bytes)" if timeline.unit == "s" else "memory", fontsize=8)
+    ax.set_ylabel("memory", fontsize=8)
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: _format_memory(v, timeline.unit)))
     ax.set_title("held for backward, per device", loc="left", fontsize=10)
     ax.legend(fontsize=6, ncols=min(timeline.devices, 8), loc="upper right", frameon=False)
     ax.grid(alpha=0.3)
