@@ -100,6 +100,21 @@ def test_chart_color_defaults_off_when_not_a_terminal(monkeypatch: pytest.Monkey
     assert "\x1b" not in format_chart(fill_drain(2, 2), width=60)
 
 
+class _Terminal:
+    def isatty(self) -> bool:
+        return True
+
+
+def test_chart_color_defaults_on_for_a_terminal_unless_no_color(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr("sys.stdout", _Terminal())
+    monkeypatch.delenv("NO_COLOR", raising=False)
+    assert "\x1b[" in format_chart(fill_drain(2, 2), width=60)
+    monkeypatch.setenv("NO_COLOR", "1")
+    assert "\x1b" not in format_chart(fill_drain(2, 2), width=60)
+
+
 def test_chart_shows_actions_narrower_than_a_character() -> None:
     # 16 x 64 of 1 ms actions in 40 columns: every cell holds several actions.
     timeline = fill_drain(16, 64, forward=1e-3, backward=1e-3, unit="s")

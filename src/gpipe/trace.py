@@ -313,7 +313,7 @@ def _draw_gantt(ax: Axes, timeline: Timeline, span: float, name: str, *, first: 
             shade = tuple(c + (1 - c) * light for c in rgb)
             ax.broken_barh(spans, (device - 0.4, 0.8), facecolors=shade, edgecolors="white",
                            linewidths=edge)
-    ax.set_ylim(devices - 0.5, -0.5)  # device 0 on top, as in the terminal chart
+    ax.set_ylim(max(devices, 1) - 0.5, -0.5)  # device 0 on top, as in the terminal chart
     ax.set_yticks(range(devices), [f"dev {d}" for d in range(devices)], fontsize=8)
     ax.set_title(
         f"{name}: makespan {_format_time(timeline.makespan, timeline.unit)}, "
