@@ -6,7 +6,7 @@ import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
-__all__ = ["FORWARD", "BACKWARD", "WEIGHT", "KINDS", "Action", "Schedule"]
+__all__ = ["BACKWARD", "FORWARD", "KINDS", "WEIGHT", "Action", "Schedule", "dependencies"]
 
 FORWARD = "F"  # forward of one micro-batch on one stage
 BACKWARD = "B"  # input gradient; also the weight gradient unless the schedule has W actions
@@ -33,7 +33,9 @@ class Action:
         if self.kind not in KINDS:
             raise ValueError(f"action kind must be one of {KINDS}, got {self.kind!r}")
         if self.stage < 0 or self.microbatch < 0:
-            raise ValueError(f"stage and microbatch must be >= 0, got {self.stage}, {self.microbatch}")
+            raise ValueError(
+                f"stage and microbatch must be >= 0, got {self.stage}, {self.microbatch}"
+            )
 
     def __str__(self) -> str:
         return f"{self.stage}{self.kind}{self.microbatch}"
@@ -48,6 +50,30 @@ class Action:
             )
         stage, kind, microbatch = match.groups()
         return cls(kind, int(stage), int(microbatch))
+
+
+def dependencies(action: Action, stages: int) -> tuple[Action, ...]:
+    """The actions that must finish before ``action`` can start.
+
+    F(s, i) needs F(s-1, i); B(s, i) needs F(s, i) and B(s+1, i), except on the last stage,
+    which computes the loss and so needs only its own forward; W(s, i) needs B(s, i).
+
+    Args:
+        action: the action to start.
+        stages: the number of model stages (K·v), so the last stage is ``stages - 1``.
+
+    Returns:
+        The prerequisite actions, at most two.
+    """
+    kind, stage, microbatch = action.kind, action.stage, action.microbatch
+    if kind == FORWARD:
+        return (Action(FORWARD, stage - 1, microbatch),) if stage > 0 else ()
+    if kind == BACKWARD:
+        own = Action(FORWARD, stage, microbatch)
+        if stage + 1 < stages:
+            return (own, Action(BACKWARD, stage + 1, microbatch))
+        return (own,)
+    return (Action(BACKWARD, stage, microbatch),)
 
 
 def _round_robin(stages: int, devices: int) -> tuple[int, ...]:
@@ -112,6 +138,34 @@ class Schedule:
 
     def __len__(self) -> int:
         return sum(len(device_actions) for device_actions in self.actions)
+
+    def __str__(self) -> str:
+        """The step × device grid (see :func:`gpipe.schedule.format_grid`)."""
+        from gpipe.schedule.text import format_grid  # NOTE: lazy, text.py imports this module
+
+        return format_grid(self)
+
+    def to_csv(self) -> str:
+        """The schedule as CSV text, one row per device (see :func:`gpipe.schedule.to_csv`)."""
+        from gpipe.schedule.text import to_csv
+
+        return to_csv(self)
+
+    @classmethod
+    def from_csv(cls, text: str, name: str | None = None) -> Schedule:
+        """Read a schedule from CSV text (see :func:`gpipe.schedule.from_csv`)."""
+        from gpipe.schedule.text import from_csv
+
+        return from_csv(text, name=name)
+
+    def validate(self) -> None:
+        """Raise :class:`~gpipe.schedule.ScheduleError` unless the schedule can run.
+
+        See :func:`gpipe.schedule.validate`.
+        """
+        from gpipe.schedule.validate import validate
+
+        validate(self)
 
     def only(self, kinds: Sequence[str]) -> Schedule:
         """The same schedule keeping only actions of the given kinds (order preserved)."""

@@ -1,0 +1,154 @@
+"""The validator: a schedule runs iff every action is present once, in place, and reachable."""
+
+from __future__ import annotations
+
+from gpipe.schedule.action import BACKWARD, FORWARD, KINDS, WEIGHT, Action, Schedule, dependencies
+from gpipe.schedule.steps import run_in_steps
+from gpipe.schedule.text import format_grid
+
+__all__ = ["ScheduleError", "validate"]
+
+_SHOWN = 5  # problems listed per error; the rest are counted
+
+
+class ScheduleError(ValueError):
+    """A schedule that cannot run; the message names the problem and shows the grid."""
+
+
+def validate(schedule: Schedule) -> None:
+    """Check that ``schedule`` can run to completion, and raise if it cannot.
+
+    The checks, in order:
+
+    1. every action's stage and micro-batch are in range, and its device holds its stage
+       (``schedule.placement``);
+    2. every (kind, stage, micro-batch) appears exactly once, where the kinds are F and B,
+       plus W if the schedule has any W (then every B must have its W);
+    3. no deadlock: running each device's list in order, a device moving on only when its
+       next action's dependencies have finished, every device reaches its end. Sends are
+       taken not to block (queued, as the in-process transport does).
+
+    Args:
+        schedule: the schedule to check.
+
+    Raises:
+        ScheduleError: the first failing check, naming the offending actions, with the
+            step × device grid in which they are marked ``>like this<``.
+    """
+    marks, problems = _check_ranges(schedule)
+    if not problems:
+        marks, problems = _check_coverage(schedule)
+    if not problems:
+        marks, problems = _check_deadlock(schedule)
+    if problems:
+        shown = problems[:_SHOWN]
+        if len(problems) > _SHOWN:
+            shown.append(f"... and {len(problems) - _SHOWN} more")
+        body = "\n".join(f"  - {p}" for p in shown)
+        grid = format_grid(schedule, mark=marks)
+        raise ScheduleError(
+            f"invalid schedule {schedule.name!r} ({schedule.devices} devices, "
+            f"{schedule.stages} stages, {schedule.microbatches} micro-batches):\n"
+            f"{body}\n{grid}"
+        )
+
+
+Cells = list[tuple[int, int]]
+
+
+def _check_ranges(schedule: Schedule) -> tuple[Cells, list[str]]:
+    marks: Cells = []
+    problems: list[str] = []
+    for device, actions in enumerate(schedule.actions):
+        for position, action in enumerate(actions):
+            if action.stage >= schedule.stages:
+                problem = f"has stage {action.stage}, but stages run 0..{schedule.stages - 1}"
+            elif action.microbatch >= schedule.microbatches:
+                problem = (
+                    f"has micro-batch {action.microbatch}, but micro-batches run "
+                    f"0..{schedule.microbatches - 1}"
+                )
+            elif schedule.placement[action.stage] != device:
+                problem = (
+                    f"is on the wrong device: stage {action.stage} lives on device "
+                    f"{schedule.placement[action.stage]}"
+                )
+            else:
+                continue
+            marks.append((device, position))
+            problems.append(f"{action} on device {device} (position {position}) {problem}")
+    return marks, problems
+
+
+def _check_coverage(schedule: Schedule) -> tuple[Cells, list[str]]:
+    kinds = KINDS if schedule.split_backward else (FORWARD, BACKWARD)
+    first: dict[Action, int] = {}
+    marks: Cells = []
+    problems: list[str] = []
+    for device, actions in enumerate(schedule.actions):
+        for position, action in enumerate(actions):
+            if action in first:
+                marks.append((device, position))
+                problems.append(
+                    f"{action} appears twice on device {device}: positions "
+                    f"{first[action]} and {position}"
+                )
+            else:
+                first[action] = position
+    for kind in kinds:
+        for stage in range(schedule.stages):
+            for microbatch in range(schedule.microbatches):
+                action = Action(kind, stage, microbatch)
+                if action not in first:
+                    why = " (the schedule has W actions, so every B needs one)"
+                    problems.append(
+                        f"{action} is missing: device {schedule.placement[stage]} never runs it"
+                        + (why if kind == WEIGHT else "")
+                    )
+    return marks, problems
+
+
+def _check_deadlock(schedule: Schedule) -> tuple[Cells, list[str]]:
+    steps = run_in_steps(schedule)
+    if steps.finished(schedule):
+        return [], []
+    where = {a: (d, p) for d, actions in enumerate(schedule.actions) for p, a in enumerate(actions)}
+    stuck = [d for d, p in enumerate(steps.next) if p < len(schedule.actions[d])]
+    marks: Cells = [(d, steps.next[d]) for d in stuck]
+    problems = [_wait_chain(schedule, steps.next, where, stuck[0])]
+    return marks, problems
+
+
+def _wait_chain(
+    schedule: Schedule,
+    next_position: list[int],
+    where: dict[Action, tuple[int, int]],
+    device: int,
+) -> str:
+    """Follow who waits for whom from ``device`` until the chain closes, and describe it."""
+    links: list[str] = []
+    visited: set[int] = set()
+    while device not in visited:
+        visited.add(device)
+        action = schedule.actions[device][next_position[device]]
+        waited = [
+            dep
+            for dep in dependencies(action, schedule.stages)
+            if where[dep][1] >= next_position[where[dep][0]]
+        ]
+        dep = waited[0]
+        owner, position = where[dep]
+        if owner == device:
+            links.append(
+                f"{action} on device {device} waits for {dep}, which device {device} runs "
+                f"only later (position {position}), so it never runs"
+            )
+            break
+        blocker = schedule.actions[owner][next_position[owner]]
+        stuck_at = "at it" if blocker == dep else f"before it, at {blocker}"
+        links.append(
+            f"{action} on device {device} waits for {dep}, which never runs: device {owner} "
+            f"is stuck {stuck_at}"
+        )
+        device = owner
+    return "deadlock: " + "; ".join(links)
