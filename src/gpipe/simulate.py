@@ -1,0 +1,235 @@
+"""The discrete-event simulator: a schedule and a cost model in, a timeline out."""
+
+from __future__ import annotations
+
+import gc
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from gpipe.schedule.action import BACKWARD, FORWARD, WEIGHT, Schedule
+from gpipe.schedule.validate import ScheduleError, validate
+from gpipe.timeline import Event, Timeline
+
+__all__ = ["Costs", "costs_from_timeline", "simulate"]
+
+PerStage = float | Sequence[float]
+
+
+@dataclass(frozen=True)
+class Costs:
+    """What each action costs, per model stage, in any one unit of time (or bytes).
+
+    Args:
+        forward: time of one micro-batch's forward on a stage; one number for every
+            stage, or a list with one number per model stage.
+        backward: time of its backward (the input gradient, in a schedule with W actions).
+        weight: time of its weight gradient. A schedule without W actions runs it inside
+            B, so there B takes ``backward + weight``.
+        transfer: time to move one activation or gradient between two different devices;
+            a hand-off between stages on the same device is free.
+        activation_bytes: what one micro-batch's forward on a stage keeps for its backward.
+    """
+
+    forward: PerStage = 1.0
+    backward: PerStage = 1.0
+    weight: PerStage = 0.0
+    transfer: float = 0.0
+    activation_bytes: PerStage = 1
+
+    @classmethod
+    def from_timeline(cls, timeline: Timeline, stages: int | None = None) -> Costs:
+        """The median F, B and W durations per stage of a measured timeline.
+
+        See :func:`costs_from_timeline`.
+        """
+        return costs_from_timeline(timeline, stages)
+
+
+def _per_stage(value: PerStage, stages: int, what: str) -> list[float]:
+    if isinstance(value, int | float):
+        return [value] * stages
+    values = list(value)
+    if len(values) != stages:
+        raise ValueError(f"Costs.{what} lists {len(values)} stages, the schedule has {stages}")
+    return values
+
+
+def simulate(schedule: Schedule, costs: Costs | None = None) -> Timeline:
+    """Run ``schedule`` on an idealized machine and record when each action ran.
+
+    Every device runs its list in order. An action starts when its device is free and
+    every action it depends on has finished, plus ``costs.transfer`` for a dependency that
+    ran on another device. Memory, per device: a forward allocates the stage's
+    ``activation_bytes``; they are freed by the backward, or, when the schedule has W
+    actions, by the W (the weight gradient needs the stage's saved inputs, so they live
+    until then). ``Event.memory`` is the most held during the action: after a forward's
+    allocation, before a backward's or W's release.
+
+    Args:
+        schedule: the schedule; it must be valid.
+        costs: the cost model; by default F = B = 1, W = 0, no transfer time, 1 byte.
+
+    Returns:
+        The timeline, in unit ``"cost"``, starting at 0.
+
+    Raises:
+        ScheduleError: the schedule is invalid (as :func:`~gpipe.schedule.validate` says).
+        ValueError: a per-stage cost list of the wrong length.
+    """
+    costs = costs or Costs()
+    # NOTE: a long schedule makes hundreds of thousands of events, none in a reference
+    # cycle; left on, the cyclic garbage collector rescans them all, again and again, and
+    # takes as long as the simulation itself.
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        return _simulate(schedule, costs)
+    finally:
+        if collecting:
+            gc.enable()
+
+
+def _simulate(schedule: Schedule, costs: Costs) -> Timeline:
+    stages, microbatches = schedule.stages, schedule.microbatches
+    forward = _per_stage(costs.forward, stages, "forward")
+    backward = _per_stage(costs.backward, stages, "backward")
+    weight = _per_stage(costs.weight, stages, "weight")
+    held_bytes = _per_stage(costs.activation_bytes, stages, "activation_bytes")
+    split = schedule.split_backward
+    if not split:
+        backward = [b + w for b, w in zip(backward, weight)]
+    placement = schedule.placement
+    # Extra wait for the input from the previous stage / the gradient from the next one.
+    from_previous = [
+        costs.transfer if s and placement[s - 1] != placement[s] else 0.0 for s in range(stages)
+    ]
+    from_next = [
+        costs.transfer if s + 1 < stages and placement[s + 1] != placement[s] else 0.0
+        for s in range(stages)
+    ]
+
+    # NOTE: this loop is the simulator's whole cost (K=128, M=1024 is 262k actions), so it
+    # keeps finish times in one flat list of floats, keyed by int, with -1.0 for "not yet":
+    # key = kind offset + stage * M + micro-batch.
+    size = stages * microbatches
+    offset = {FORWARD: 0, BACKWARD: size, WEIGHT: 2 * size}
+    ends = [-1.0] * (3 * size)
+    frees = WEIGHT if split else BACKWARD
+    devices = schedule.devices
+    events: list[list[Event]] = [[] for _ in range(devices)]
+    position = [0] * devices
+    free_at = [0.0] * devices
+    held = [0] * devices
+    # A device blocks on one missing result at a time; waiting maps that result's key to
+    # the device, so finishing it wakes exactly the device that needs it.
+    waiting: dict[int, int] = {}
+    ready = list(range(devices))
+    while ready:
+        device = ready.pop()
+        actions = schedule.actions[device]
+        out = events[device]
+        at, clock = position[device], free_at[device]
+        while at < len(actions):
+            action = actions[at]
+            kind, stage, i = action.kind, action.stage, action.microbatch
+            if stage >= stages or i >= microbatches or placement[stage] != device:
+                raise _invalid(schedule)
+            index = stage * microbatches + i
+            start = clock
+            if kind == FORWARD:
+                if stage:
+                    dep = index - microbatches
+                    end = ends[dep]
+                    if end < 0:
+                        waiting[dep] = device
+                        break
+                    end += from_previous[stage]
+                    if end > start:
+                        start = end
+                duration = forward[stage]
+            elif kind == BACKWARD:
+                dep = index
+                end = ends[dep]
+                if end < 0:
+                    waiting[dep] = device
+                    break
+                if end > start:
+                    start = end
+                if stage + 1 < stages:
+                    dep = size + index + microbatches
+                    end = ends[dep]
+                    if end < 0:
+                        waiting[dep] = device
+                        break
+                    end += from_next[stage]
+                    if end > start:
+                        start = end
+                duration = backward[stage]
+            else:
+                dep = size + index
+                end = ends[dep]
+                if end < 0:
+                    waiting[dep] = device
+                    break
+                if end > start:
+                    start = end
+                duration = weight[stage]
+            key = offset[kind] + index
+            if ends[key] >= 0:
+                raise _invalid(schedule)
+            clock = start + duration
+            ends[key] = clock
+            if kind == FORWARD:
+                held[device] += held_bytes[stage]
+                out.append(Event(action, start, clock, held[device]))
+            else:
+                out.append(Event(action, start, clock, held[device]))
+                if kind == frees:
+                    held[device] -= held_bytes[stage]
+            at += 1
+            woken = waiting.pop(key, None)
+            if woken is not None:
+                ready.append(woken)
+        position[device], free_at[device] = at, clock
+    expected = 3 * size if split else 2 * size
+    if sum(position) != len(schedule) or sum(len(e) for e in events) != expected:
+        raise _invalid(schedule)
+    return Timeline(events, unit="cost", schedule=schedule.name)
+
+
+def _invalid(schedule: Schedule) -> ScheduleError:
+    """The validator's error for a schedule the simulator could not run."""
+    try:
+        validate(schedule)
+    except ScheduleError as error:
+        return error
+    return ScheduleError(f"simulator could not run schedule {schedule.name!r}")
+
+
+def costs_from_timeline(timeline: Timeline, stages: int | None = None) -> Costs:
+    """The median F, B and W duration of each model stage in a (measured) timeline.
+
+    Feeding the result to :func:`simulate` predicts the timeline from its own parts, so
+    prediction and measurement can be compared. Transfer time is left at 0.
+
+    Args:
+        timeline: any timeline; the stage of each event is its action's stage.
+        stages: the number of model stages; by default one more than the largest seen.
+
+    Returns:
+        Per-stage costs; a stage or kind with no events gets 0. ``weight`` is the median W
+        time if the timeline has W events, else 0 (B then already includes it).
+    """
+    seen = [e for device in timeline.events for e in device]
+    count = stages if stages is not None else 1 + max((e.action.stage for e in seen), default=-1)
+    durations: dict[str, list[list[float]]] = {
+        kind: [[] for _ in range(count)] for kind in (FORWARD, BACKWARD, WEIGHT)
+    }
+    for event in seen:
+        durations[event.action.kind][event.action.stage].append(event.duration)
+
+    def medians(kind: str) -> list[float]:
+        return [statistics.median(d) if d else 0.0 for d in durations[kind]]
+
+    return Costs(forward=medians(FORWARD), backward=medians(BACKWARD), weight=medians(WEIGHT))
