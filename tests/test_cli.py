@@ -181,3 +181,21 @@ def test_plugged_command_registers_and_runs(
     monkeypatch.setitem(sys.modules, "gpipe.plan", plan)
     assert "Plan a pipeline." in build_parser().format_help()
     assert run(capsys, "plan", "--layers", "5") == (3, "planned 5\n")
+
+
+def test_simulate_zero_bubble_h1_reaches_its_formula(capsys: pytest.CaptureFixture[str]) -> None:
+    _, out = run(capsys, "simulate", "-K", "4", "-M", "8", "-s", "zb-h1", "--no-color")
+    fields = result_fields(out)
+    assert fields["bubble"] == f"{3 / 27:.4f}"
+    assert fields["makespan"] == "27"  # 3M + K - 1 with F = B = W = 1
+
+
+def test_bubble_defaults_cover_every_schedule_and_agree_with_formulas(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    code, out = run(capsys, "bubble")
+    assert code == 0
+    fields = result_fields(out)
+    assert fields["schedules"] == "gpipe,1f1b,interleaved,zb-h1"
+    assert fields["cells"] == str(4 * 4 * 7)
+    assert float(fields["max_abs_error"]) < 1e-9

@@ -119,7 +119,7 @@ def _schedule_names() -> list[str]:
 def _add_simulate(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     sub = commands.add_parser(
         "simulate",
-        help="simulate one schedule and draw its timeline",
+        help="Simulate one schedule and draw its timeline.",
         description="Simulate one schedule under a cost model; print its step x device grid, "
         "its timeline as a chart, and a RESULT line.",
     )
@@ -192,7 +192,7 @@ def _add_bubble(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
     names = _schedule_names()
     sub = commands.add_parser(
         "bubble",
-        help="simulated bubble fraction beside its closed-form formula",
+        help="Tabulate simulated bubble fractions beside their closed-form formulas.",
         description="For each schedule, a table of the simulated bubble fraction with equal "
         "costs F = B = W = 1 and no transfer time, next to the formula in parentheses.",
     )

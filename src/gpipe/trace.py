@@ -348,7 +348,8 @@ def _draw_memory(ax: Axes, timeline: Timeline) -> None:
     ax.set_ylabel("memory", fontsize=8)
     ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: _format_memory(v, timeline.unit)))
     ax.set_title("held for backward, per device", loc="left", fontsize=10)
-    ax.legend(fontsize=6, ncols=min(timeline.devices, 8), loc="upper right", frameon=False)
+    ax.legend(fontsize=6, ncols=min(timeline.devices, 8), loc="lower right",
+              bbox_to_anchor=(1.0, 1.0), frameon=False)
     ax.grid(alpha=0.3)
 
 
