@@ -1,8 +1,8 @@
 """Schedule generators: one small pure function per schedule, and the registry by name.
 
 Each generator's docstring draws its output for a small case as the simulator lays it out
-when every action takes one unit of time (``simulate(schedule, Costs(1, 1, 1))``), one
-column per unit; the tests check that these pictures are exact.
+when every F, B and W takes one unit of time, one column per unit; the tests check that
+these pictures are exact.
 """
 
 from __future__ import annotations
@@ -153,7 +153,9 @@ def zb_h1(stages: int, microbatches: int) -> Schedule:
     gradients travel back without waiting for weight gradients; device ``k`` runs its W's
     ``k`` backwards late, where it would otherwise sit idle, and the W's left at the end
     fill the cool-down. With F = B = W the bubble is ``(K-1) / (3M + K-1)`` for M >= K, a
-    third of 1F1B's. For 3 stages and 4 micro-batches, laid out in time::
+    third of 1F1B's; for M < K the step takes ``2(M+K) - 1`` units (the formula would be
+    shorter than one micro-batch's own path down, back and through its W). For 3 stages
+    and 4 micro-batches, laid out in time::
 
         0: 0F0 0F1 0F2         0B0 0W0 0F3 0B1 0W1 0B2 0W2 0B3 0W3
         1:     1F0 1F1     1B0 1F2 1B1 1W0 1F3 1B2 1W1 1B3 1W2 1W3
