@@ -1,0 +1,174 @@
+"""The validator accepts every generated schedule and explains, on the grid, what it rejects."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gpipe.schedule import (
+    Action,
+    Schedule,
+    ScheduleError,
+    gpipe,
+    interleaved,
+    make_schedule,
+    one_f_one_b,
+    run_in_steps,
+    validate,
+    zb_h1,
+)
+from gpipe.simulate import simulate
+
+
+def schedule_of(*devices: str, microbatches: int, **kwargs) -> Schedule:
+    """A hand-written schedule: one string of action texts per device."""
+    actions = [[Action.parse(text) for text in device.split()] for device in devices]
+    return Schedule("hand", actions, microbatches, **kwargs)
+
+
+def rejection(schedule: Schedule) -> str:
+    with pytest.raises(ScheduleError) as error:
+        validate(schedule)
+    return str(error.value)
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "zb-h1"])
+def test_accepts_every_one_stage_per_device_schedule(name):
+    for stages in range(1, 9):
+        for microbatches in range(1, 17):
+            validate(make_schedule(name, stages, microbatches))
+
+
+def test_accepts_interleaved_for_every_microbatch_count_and_virtual_stage_count():
+    for stages in range(1, 9):
+        for microbatches in range(1, 17):
+            for virtual_stages in range(1, 4):
+                validate(interleaved(stages, microbatches, virtual_stages=virtual_stages))
+
+
+def test_generated_schedules_finish_in_lock_step_with_every_action_run_once():
+    schedule = zb_h1(4, 6)
+    steps = run_in_steps(schedule)
+    assert steps.finished(schedule)
+    ran = [(d, p) for row in steps.rows for d, p in enumerate(row) if p is not None]
+    assert len(ran) == len(set(ran)) == len(schedule) == 4 * 6 * 3
+
+
+def test_rejects_a_missing_backward_naming_the_device_that_should_run_it():
+    schedule = schedule_of("0F0 0F1 0B0 0B1", "1F0 1B0 1F1", microbatches=2)
+    message = rejection(schedule)
+    assert "1B1 is missing: device 1 never runs it" in message
+    assert "step   0     1" in message
+
+
+def test_rejects_a_duplicate_and_marks_its_second_occurrence():
+    schedule = schedule_of("0F0 0F0 0B0", "1F0 1B0", microbatches=1)
+    message = rejection(schedule)
+    assert "0F0 appears twice on device 0: positions 0 and 1" in message
+    assert ">0F0<" in message
+
+
+def test_rejects_an_action_on_a_device_that_does_not_hold_its_stage():
+    schedule = schedule_of("0F0 1F0 1B0 0B0", "", microbatches=1)
+    message = rejection(schedule)
+    assert "1F0 on device 0 (position 1) is on the wrong device: stage 1 lives on device 1" in (
+        message
+    )
+    assert ">1F0<" in message
+
+
+def test_rejects_microbatches_and_stages_out_of_range():
+    message = rejection(schedule_of("0F0 0F5 0B0", microbatches=1))
+    assert "0F5 on device 0 (position 1) has micro-batch 5, but micro-batches run 0..0" in message
+    message = rejection(schedule_of("0F0 3F0 0B0", microbatches=1))
+    assert "has stage 3, but stages run 0..0" in message
+
+
+def test_rejects_a_split_schedule_missing_a_weight_gradient():
+    schedule = schedule_of("0F0 0F1 0B0 0W0 0B1", microbatches=2)
+    message = rejection(schedule)
+    assert "0W1 is missing" in message
+    assert "every B needs one" in message
+
+
+def test_rejects_a_deadlock_showing_who_waits_for_whom_on_the_grid():
+    # Device 1 runs 1B1 before 1F1, so 1B1 can never start, and device 0 waits for it.
+    schedule = schedule_of("0F0 0F1 0B1 0B0", "1F0 1B0 1B1 1F1", microbatches=2)
+    message = rejection(schedule)
+    assert (
+        "deadlock: 0B1 on device 0 waits for 1B1, which never runs: device 1 is stuck at it; "
+        "1B1 on device 1 waits for 1F1, which device 1 runs only later (position 3)"
+    ) in message
+    assert message.endswith(
+        "\n".join(
+            [
+                " step   0      1",
+                "    0   0F0",
+                "    1   0F1    1F0",
+                "    2          1B0",
+                "stuck  >0B1<  >1B1<",
+            ]
+        )
+    )
+
+
+def test_rejects_a_cross_device_deadlock_cycle():
+    # Device 0 waits for device 1's backward before sending the forward device 1 waits for.
+    schedule = schedule_of("0F0 0B0 2F0 2B0", "1F0 3F0 3B0 1B0", microbatches=1, stages=4)
+    message = rejection(schedule)
+    assert (
+        "deadlock: 0B0 on device 0 waits for 1B0, which never runs: device 1 is stuck before "
+        "it, at 3F0; 3F0 on device 1 waits for 2F0, which never runs: device 0 is stuck "
+        "before it, at 0B0"
+    ) in message
+    assert "stuck  >0B0<  >3F0<" in message
+
+
+def test_simulating_an_invalid_schedule_raises_the_validators_error():
+    schedule = schedule_of("0F0 0F1 0B1 0B0", "1F0 1B0 1B1 1F1", microbatches=2)
+    with pytest.raises(ScheduleError, match="deadlock: 0B1 on device 0 waits for 1B1"):
+        simulate(schedule)
+
+
+def test_schedule_validate_method_delegates_to_the_validator():
+    one_f_one_b(3, 3).validate()
+    with pytest.raises(ScheduleError, match="is missing"):
+        schedule_of("0F0", microbatches=1).validate()
+
+
+@st.composite
+def shuffled_schedules(draw: st.DrawFn) -> Schedule:
+    """A generated schedule with one device's list reordered: valid or deadlocked."""
+    name = draw(st.sampled_from(["gpipe", "1f1b", "zb-h1"]))
+    schedule = make_schedule(name, draw(st.integers(1, 5)), draw(st.integers(1, 6)))
+    device = draw(st.integers(0, schedule.devices - 1))
+    actions = [list(d) for d in schedule.actions]
+    actions[device] = draw(st.permutations(actions[device]))
+    return Schedule(schedule.name, actions, schedule.microbatches)
+
+
+@settings(max_examples=150, deadline=None)
+@given(shuffled_schedules())
+def test_validator_and_simulator_agree_on_which_orders_can_run(schedule):
+    try:
+        validate(schedule)
+    except ScheduleError:
+        with pytest.raises(ScheduleError):
+            simulate(schedule)
+        assert not run_in_steps(schedule).finished(schedule)
+    else:
+        timeline = simulate(schedule)
+        assert sum(len(events) for events in timeline.events) == len(schedule)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 12), st.integers(1, 24), st.integers(1, 4))
+def test_accepts_interleaved_for_random_sizes(stages, microbatches, virtual_stages):
+    validate(interleaved(stages, microbatches, virtual_stages=virtual_stages))
+
+
+def test_gpipe_reversed_backward_still_valid_and_forward_first_required():
+    validate(gpipe(2, 2))
+    message = rejection(schedule_of("0B0 0F0", microbatches=1))
+    assert "0B0 on device 0 waits for 0F0, which device 0 runs only later (position 1)" in message
