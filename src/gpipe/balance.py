@@ -7,19 +7,22 @@ from collections.abc import Sequence
 __all__ = ["balance_costs"]
 
 
-def _fits(costs: Sequence[float], stages: int, limit: float) -> bool:
-    """Whether ``costs`` splits into ``stages`` non-empty parts each costing at most ``limit``."""
-    parts, running = 1, 0.0
-    for cost in costs:
-        if cost > limit:
+def _fits(prefix: Sequence[float], stages: int, limit: float) -> bool:
+    """Whether the layers split into ``stages`` non-empty parts each costing at most ``limit``.
+
+    ``prefix`` holds the running sums of the per-layer costs, ``prefix[0] == 0``.
+    """
+    # NOTE: part costs are prefix differences, the very numbers the limit is chosen from; a
+    # running sum rounds differently, and then the optimal limit could be judged unreachable.
+    parts, start = 1, 0
+    for end in range(1, len(prefix)):
+        if prefix[end] - prefix[end - 1] > limit:
             return False
-        if running + cost > limit:
-            parts, running = parts + 1, cost
-        else:
-            running += cost
+        if prefix[end] - prefix[start] > limit:
+            parts, start = parts + 1, end - 1
     # NOTE: with non-negative costs a part can always be split further without raising the
     # maximum, so any count from the greedy minimum up to len(costs) is reachable.
-    return parts <= stages <= len(costs)
+    return parts <= stages <= len(prefix) - 1
 
 
 def balance_costs(costs: Sequence[float], stages: int) -> list[int]:
@@ -54,7 +57,7 @@ def balance_costs(costs: Sequence[float], stages: int) -> list[int]:
     lo, hi = 0, len(candidates) - 1
     while lo < hi:
         mid = (lo + hi) // 2
-        if _fits(costs, stages, candidates[mid]):
+        if _fits(prefix, stages, candidates[mid]):
             hi = mid
         else:
             lo = mid + 1
