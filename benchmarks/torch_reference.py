@@ -1,0 +1,135 @@
+"""torch.distributed.pipelining on the same model, for comparison in the same run.
+
+One process per stage (gloo on 127.0.0.1, a port picked here), as that library requires.
+Every process is joined or killed before returning; a stuck run ends with an error.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _stage(
+    rank: int,
+    world: int,
+    port: int,
+    factory: Callable[..., nn.Sequential],
+    factory_args: tuple,
+    balance: list[int],
+    schedule: str,
+    microbatches: int,
+    batch: tuple[torch.Tensor, torch.Tensor],
+    loss_fn: Callable,
+    steps: int,
+    results: Any,
+) -> None:
+    from torch.distributed import pipelining
+
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120)
+    )
+    try:
+        torch.manual_seed(0)
+        model = factory(*factory_args)
+        start = sum(balance[:rank])
+        submodule = nn.Sequential(*list(model)[start : start + balance[rank]])
+        stage = pipelining.PipelineStage(submodule, rank, world, torch.device("cpu"))
+        runner = getattr(pipelining, _SCHEDULES[schedule])(stage, microbatches, loss_fn=loss_fn)
+        x, target = batch
+        times = []
+        for _ in range(steps + 1):  # the first step warms up
+            dist.barrier()
+            began = time.perf_counter()
+            if rank == 0:
+                runner.step(x)
+            elif rank == world - 1:
+                runner.step(target=target, losses=[])
+            else:
+                runner.step()
+            dist.barrier()
+            times.append(time.perf_counter() - began)
+            submodule.zero_grad()
+        if rank == 0:
+            results.put(times[1:])
+    finally:
+        dist.destroy_process_group()
+
+
+def step_times(
+    factory: Callable[..., nn.Sequential],
+    factory_args: tuple,
+    balance: list[int],
+    *,
+    schedule: str,
+    microbatches: int,
+    batch: tuple[torch.Tensor, torch.Tensor],
+    loss_fn: Callable,
+    steps: int = 5,
+    timeout: float = 300.0,
+) -> list[float]:
+    """Per-step seconds of torch.distributed.pipelining running ``schedule`` on the model.
+
+    Raises:
+        RuntimeError: a stage process failed or the run did not finish within ``timeout``.
+    """
+    world = len(balance)
+    context = mp.get_context("spawn")
+    results = context.SimpleQueue()
+    port = free_port()
+    procs = [
+        context.Process(
+            target=_stage,
+            args=(
+                rank,
+                world,
+                port,
+                factory,
+                factory_args,
+                balance,
+                schedule,
+                microbatches,
+                batch,
+                loss_fn,
+                steps,
+                results,
+            ),
+            daemon=True,
+        )
+        for rank in range(world)
+    ]
+    for proc in procs:
+        proc.start()
+    deadline = time.monotonic() + timeout
+    try:
+        for proc in procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+        failed = [p.exitcode for p in procs if p.exitcode != 0]
+        if failed:
+            raise RuntimeError(f"torch.distributed.pipelining run failed: exit codes {failed}")
+        return results.get()
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5)
