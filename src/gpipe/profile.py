@@ -1,0 +1,404 @@
+"""Profiling: what each layer of an nn.Sequential costs in time and memory, measured."""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from gpipe.structure import leaves, map_tensors
+
+__all__ = ["COST_KINDS", "Profile", "optimizer_state_factor", "profile"]
+
+#: What :meth:`Profile.costs` can weigh layers by.
+COST_KINDS = ("time", "memory", "params")
+
+# Optimizer state per parameter, in parameter-sized tensors (scalar step counters ignored).
+_STATE_BY_NAME: dict[str, int] = {"sgd": 0, "sgd-momentum": 1, "adam": 2, "adamw": 2}
+_STATE_BY_CLASS: dict[type, int] = {
+    torch.optim.SGD: 0,  # momentum is off by default; name "sgd-momentum" when it is on
+    torch.optim.Adagrad: 1,
+    torch.optim.RMSprop: 1,
+    torch.optim.Adadelta: 2,
+    torch.optim.Adam: 2,
+    torch.optim.AdamW: 2,
+    torch.optim.Adamax: 2,
+    torch.optim.NAdam: 2,
+    torch.optim.RAdam: 2,
+}
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Measured per-layer costs of a model, index ``i`` for layer ``i``.
+
+    Times are in seconds (median of the timed repeats), sizes in bytes.
+
+    Attributes:
+        names: each layer's class name.
+        forward: forward time.
+        backward: backward time (input and weight gradients); 0 if nothing is differentiable.
+        output_bytes: bytes of the tensors the layer returns.
+        activation_bytes: bytes autograd saves for the layer's backward, once per storage,
+            the layer's own parameters and buffers excluded. Counted for the layer alone, so
+            a tensor two adjacent layers both save (a ReLU's output that the next Linear saves
+            as its input) is in both entries: a stage's sum is an upper bound.
+        parameter_bytes: bytes of the layer's parameters.
+        gradient_bytes: bytes of the gradients of its trainable parameters.
+        optimizer_bytes: bytes of optimizer state for its trainable parameters.
+    """
+
+    names: list[str]
+    forward: list[float]
+    backward: list[float]
+    output_bytes: list[int]
+    activation_bytes: list[int]
+    parameter_bytes: list[int]
+    gradient_bytes: list[int]
+    optimizer_bytes: list[int]
+
+    @property
+    def layers(self) -> int:
+        """How many layers were profiled."""
+        return len(self.names)
+
+    def costs(self, kind: str = "time") -> list[float]:
+        """One cost per layer, ready for :func:`gpipe.balance.balance_costs`.
+
+        Args:
+            kind: ``"time"`` (forward + backward seconds), ``"memory"`` (bytes of parameters,
+                gradients, optimizer state and saved activations of one micro-batch) or
+                ``"params"`` (parameter bytes).
+
+        Returns:
+            A non-negative cost per layer.
+
+        Raises:
+            ValueError: an unknown ``kind``.
+        """
+        if kind == "time":
+            return [f + b for f, b in zip(self.forward, self.backward)]
+        if kind == "memory":
+            parts = zip(
+                self.parameter_bytes,
+                self.gradient_bytes,
+                self.optimizer_bytes,
+                self.activation_bytes,
+            )
+            return [float(sum(layer)) for layer in parts]
+        if kind == "params":
+            return [float(size) for size in self.parameter_bytes]
+        raise ValueError(f"kind must be one of {', '.join(map(repr, COST_KINDS))}, got {kind!r}")
+
+    def __str__(self) -> str:
+        header = ("layer", "forward", "backward", "output", "saved", "params", "optimizer")
+        rows = [header]
+        for i in range(self.layers):
+            rows.append(
+                (
+                    f"{i} {self.names[i]}",
+                    _format_seconds(self.forward[i]),
+                    _format_seconds(self.backward[i]),
+                    _format_bytes(self.output_bytes[i]),
+                    _format_bytes(self.activation_bytes[i]),
+                    _format_bytes(self.parameter_bytes[i]),
+                    _format_bytes(self.optimizer_bytes[i]),
+                )
+            )
+        rows.append(
+            (
+                "total",
+                _format_seconds(sum(self.forward)),
+                _format_seconds(sum(self.backward)),
+                "",
+                _format_bytes(sum(self.activation_bytes)),
+                _format_bytes(sum(self.parameter_bytes)),
+                _format_bytes(sum(self.optimizer_bytes)),
+            )
+        )
+        widths = [max(len(row[c]) for row in rows) for c in range(len(header))]
+        lines = [
+            "  ".join(
+                cell.ljust(width) if c == 0 else cell.rjust(width)
+                for c, (cell, width) in enumerate(zip(row, widths))
+            ).rstrip()
+            for row in rows
+        ]
+        return "\n".join(lines)
+
+
+def optimizer_state_factor(optimizer: str | type[torch.optim.Optimizer] | None) -> int:
+    """Optimizer state per trainable parameter, in multiples of the parameter's size.
+
+    Args:
+        optimizer: None or ``"sgd"`` (no state), ``"sgd-momentum"`` (one buffer), ``"adam"``
+            or ``"adamw"`` (two moments), or an optimizer class such as ``torch.optim.Adam``.
+
+    Returns:
+        0, 1 or 2.
+
+    Raises:
+        ValueError: an optimizer this does not know.
+    """
+    if optimizer is None:
+        return 0
+    if isinstance(optimizer, str) and optimizer.lower() in _STATE_BY_NAME:
+        return _STATE_BY_NAME[optimizer.lower()]
+    if isinstance(optimizer, type):
+        for cls in optimizer.__mro__:
+            if cls in _STATE_BY_CLASS:
+                return _STATE_BY_CLASS[cls]
+    names = ", ".join(map(repr, _STATE_BY_NAME))
+    raise ValueError(
+        f"unknown optimizer {optimizer!r}: pass None, one of {names}, or a torch.optim class "
+        "such as torch.optim.Adam"
+    )
+
+
+def profile(
+    module: nn.Sequential,
+    sample: Any,
+    *,
+    device: str | torch.device = "cpu",
+    repeats: int = 5,
+    warmup: int = 2,
+    optimizer: str | type[torch.optim.Optimizer] | None = None,
+) -> Profile:
+    """Measure every layer of ``module`` on ``sample``, one layer at a time.
+
+    The sample flows as in ``nn.Sequential``: each layer's output is the next layer's input.
+    Each layer runs forward on a fresh copy of its input (floating tensors requiring grad),
+    then backward from a gradient of ones for every floating output that requires grad. The
+    model runs in train mode; afterwards its modes, parameter gradients, buffers (BatchNorm
+    statistics) and the random number generators are as they were.
+
+    Args:
+        module: the model; layers not on ``device`` are profiled on a copy moved there.
+        sample: one micro-batch of input (a tensor, or tensors in tuples, lists, dicts).
+        device: where to run.
+        repeats: timed runs per layer; the median is kept.
+        warmup: untimed runs before them.
+        optimizer: which optimizer's state to count, see :func:`optimizer_state_factor`.
+
+    Returns:
+        The per-layer :class:`Profile`.
+
+    Raises:
+        TypeError: ``module`` is not an ``nn.Sequential``.
+        ValueError: an empty module or sample, ``repeats < 1``, ``warmup < 0``, or an unknown
+            optimizer.
+    """
+    if not isinstance(module, nn.Sequential):
+        raise TypeError(
+            f"profile needs an nn.Sequential, got {type(module).__name__}; wrap the layers: "
+            "nn.Sequential(*layers)"
+        )
+    if len(module) == 0:
+        raise ValueError("profile needs a module with at least one layer, got an empty one")
+    if repeats < 1 or warmup < 0:
+        raise ValueError(f"need repeats >= 1 and warmup >= 0, got {repeats=}, {warmup=}")
+    _check_sample(sample)
+    factor = optimizer_state_factor(optimizer)
+    device = torch.device(device)
+
+    measured: list[_LayerCost] = []
+    with _preserved(module, device):
+        module.train()
+        value = map_tensors(lambda t: t.detach().to(device), sample)
+        for layer in module:
+            cost, value = _measure(_on_device(layer, device), value, device, repeats, warmup)
+            measured.append(cost)
+
+    return Profile(
+        names=[type(layer).__name__ for layer in module],
+        forward=[c.forward for c in measured],
+        backward=[c.backward for c in measured],
+        output_bytes=[c.output_bytes for c in measured],
+        activation_bytes=[c.saved_bytes for c in measured],
+        parameter_bytes=[c.parameter_bytes for c in measured],
+        gradient_bytes=[c.trainable_bytes for c in measured],
+        optimizer_bytes=[factor * c.trainable_bytes for c in measured],
+    )
+
+
+def _check_sample(sample: Any) -> None:
+    """Raise ValueError unless ``sample`` holds at least one tensor and no empty tensor."""
+    tensors = [leaf for leaf in leaves(sample) if isinstance(leaf, torch.Tensor)]
+    if not tensors or any(t.numel() == 0 for t in tensors):
+        raise ValueError(
+            "the sample must be a non-empty batch the size of one micro-batch, e.g. "
+            f"torch.randn(8, 512); got {_describe(sample)}"
+        )
+
+
+@dataclass(frozen=True)
+class _LayerCost:
+    forward: float
+    backward: float
+    output_bytes: int
+    saved_bytes: int
+    parameter_bytes: int
+    trainable_bytes: int
+
+
+class _SavedBytes:
+    """A saved-tensor hook pair that adds up storages autograd keeps, each counted once."""
+
+    def __init__(self, exclude: set[int]) -> None:
+        self._seen = set(exclude)
+        self.nbytes = 0
+
+    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        # NOTE: by storage, not by tensor: a view (weight.t(), x[0]) keeps its whole storage
+        # alive, and one storage saved twice costs its bytes once.
+        if storage.data_ptr() not in self._seen:
+            self._seen.add(storage.data_ptr())
+            self.nbytes += storage.nbytes()
+        return tensor
+
+    @staticmethod
+    def unpack(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+
+def _measure(
+    layer: nn.Module, value: Any, device: torch.device, repeats: int, warmup: int
+) -> tuple[_LayerCost, Any]:
+    """One layer's cost on input ``value``, and its output (detached) for the next layer."""
+    params = list({id(p): p for p in layer.parameters()}.values())
+    own = [*params, *layer.buffers()]
+    # Parameters saved for backward (Linear saves its weight) are not activations.
+    counter = _SavedBytes({t.untyped_storage().data_ptr() for t in own})
+    inputs = _fresh(value)
+    with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
+        output = layer(inputs)
+    output_bytes = sum(
+        leaf.numel() * leaf.element_size()
+        for leaf in {id(x): x for x in leaves(output) if isinstance(x, torch.Tensor)}.values()
+    )
+    next_value = map_tensors(torch.Tensor.detach, output)
+    del inputs, output
+
+    forward: list[float] = []
+    backward: list[float] = []
+    for run in range(warmup + repeats):
+        inputs = _fresh(value)
+        for p in params:
+            p.grad = None
+        _synchronize(device)
+        start = time.perf_counter()
+        output = layer(inputs)
+        _synchronize(device)
+        middle = time.perf_counter()
+        roots = [
+            leaf for leaf in leaves(output) if isinstance(leaf, torch.Tensor) and leaf.requires_grad
+        ]
+        grads = [torch.ones_like(root) for root in roots]
+        begin = time.perf_counter()
+        if roots:
+            torch.autograd.backward(roots, grads)
+        _synchronize(device)
+        end = time.perf_counter()
+        if run >= warmup:
+            forward.append(middle - start)
+            backward.append(end - begin if roots else 0.0)
+        del inputs, output, roots, grads
+    for p in params:
+        p.grad = None
+
+    cost = _LayerCost(
+        forward=statistics.median(forward),
+        backward=statistics.median(backward),
+        output_bytes=output_bytes,
+        saved_bytes=counter.nbytes,
+        parameter_bytes=sum(_nbytes(p) for p in params),
+        trainable_bytes=sum(_nbytes(p) for p in params if p.requires_grad),
+    )
+    return cost, next_value
+
+
+def _fresh(value: Any) -> Any:
+    """A new input: leaves that take gradients if floating, cloned off those leaves."""
+
+    def fresh(tensor: torch.Tensor) -> torch.Tensor:
+        differentiable = tensor.is_floating_point() or tensor.is_complex()
+        leaf = tensor.detach().requires_grad_(differentiable)
+        # NOTE: an in-place layer (ReLU(inplace=True)) may not write into a leaf that requires
+        # grad, nor into the value every repeat starts from; a clone is neither.
+        return leaf.clone()
+
+    return map_tensors(fresh, value)
+
+
+def _on_device(layer: nn.Module, device: torch.device) -> nn.Module:
+    """``layer`` itself if it lives on ``device``, else a copy moved there (never the user's)."""
+    tensors = [*layer.parameters(), *layer.buffers()]
+    if all(_same_device(t.device, device) for t in tensors):
+        return layer
+    return copy.deepcopy(layer).to(device)
+
+
+def _same_device(actual: torch.device, wanted: torch.device) -> bool:
+    if actual.type != wanted.type:
+        return False
+    return wanted.index is None or actual.index == wanted.index
+
+
+@contextmanager
+def _preserved(module: nn.Module, device: torch.device) -> Iterator[None]:
+    """Restore ``module``'s train/eval modes, gradients and buffers, and the RNG, on exit."""
+    modes = [(m, m.training) for m in module.modules()]
+    grads = [(p, p.grad) for p in module.parameters()]
+    buffers = [(b, b.detach().clone()) for b in module.buffers()]
+    for p, _ in grads:
+        p.grad = None
+    rng_devices = [device.index or 0] if device.type == "cuda" else []
+    try:
+        with torch.random.fork_rng(devices=rng_devices):
+            yield
+    finally:
+        for m, training in modes:
+            m.training = training
+        for p, grad in grads:
+            p.grad = grad
+        with torch.no_grad():
+            for b, saved in buffers:
+                b.copy_(saved)
+
+
+def _synchronize(device: torch.device) -> None:
+    # CUDA runs asynchronously: without this the clock would time the launch, not the work.
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)}"
+    return repr(value) if len(repr(value)) < 60 else type(value).__name__
+
+
+def _format_seconds(seconds: float) -> str:
+    return f"{seconds * 1e3:.3f} ms"
+
+
+def _format_bytes(size: float) -> str:
+    if size < 1024:
+        return f"{size:.0f} B"
+    for unit in ("KiB", "MiB"):
+        size /= 1024
+        if size < 1024:
+            return f"{size:.1f} {unit}"
+    return f"{size / 1024:.1f} GiB"
