@@ -1,15 +1,25 @@
-"""Balancing: exact optimal splits, checked against brute force."""
+"""Balancing: exact optimal splits, checked against brute force, and the balance_by_* helpers."""
 
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Iterator, Sequence
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch import nn
 
-from gpipe.balance import balance_costs
+from gpipe.balance import (
+    balance_by_memory,
+    balance_by_params,
+    balance_by_time,
+    balance_costs,
+    balance_weighted,
+)
+from gpipe.profile import profile
 
 
 def compositions(n: int, stages: int) -> Iterator[list[int]]:
@@ -29,6 +39,16 @@ def stage_sums(values: Sequence[float], balance: Sequence[int]) -> list[float]:
 
 def bottleneck(costs: Sequence[float], balance: Sequence[int]) -> float:
     return max(stage_sums(costs, balance))
+
+
+def weighted_bottleneck(
+    fixed: Sequence[float],
+    per_microbatch: Sequence[float],
+    kept: Sequence[float],
+    balance: Sequence[int],
+) -> float:
+    pairs = zip(stage_sums(fixed, balance), stage_sums(per_microbatch, balance), kept)
+    return max(f + k * a for f, a, k in pairs)
 
 
 @st.composite
@@ -91,3 +111,164 @@ def test_balance_costs_rejects_an_impossible_stage_count(costs: list[float], sta
 def test_balance_costs_rejects_negative_or_non_finite_costs(bad: float) -> None:
     with pytest.raises(ValueError, match=r"costs\[1\]"):
         balance_costs([1.0, bad], 1)
+
+
+@st.composite
+def weighted_cases(draw: st.DrawFn) -> tuple[list[float], list[float], list[float]]:
+    n = draw(st.integers(1, 8))
+    fixed = draw(st.lists(integer_costs, min_size=n, max_size=n))
+    per_microbatch = draw(st.lists(integer_costs, min_size=n, max_size=n))
+    stages = draw(st.integers(1, n))
+    kept = draw(st.lists(st.integers(0, 6).map(float), min_size=stages, max_size=stages))
+    return fixed, per_microbatch, kept
+
+
+@settings(max_examples=300, deadline=None)
+@given(weighted_cases())
+def test_balance_weighted_is_a_brute_force_optimum_with_the_shortest_last_stage(
+    case: tuple[list[float], list[float], list[float]],
+) -> None:
+    fixed, per_microbatch, kept = case
+    balance = balance_weighted(fixed, per_microbatch, kept)
+    splits = list(compositions(len(fixed), len(kept)))
+    values = {tuple(s): weighted_bottleneck(fixed, per_microbatch, kept, s) for s in splits}
+    optimum = min(values.values())
+
+    assert len(balance) == len(kept)
+    assert sum(balance) == len(fixed)
+    assert min(balance) >= 1
+    assert values[tuple(balance)] == optimum
+    assert balance[-1] == min(s[-1] for s, v in values.items() if v == optimum)
+
+
+def test_balance_weighted_with_equal_weights_matches_balance_costs() -> None:
+    costs = [3.0, 1.0, 4.0, 1.0, 5.0, 9.0, 2.0, 6.0]
+    for stages in range(1, len(costs) + 1):
+        zeros = [0.0] * len(costs)
+        assert balance_weighted(zeros, costs, [1.0] * stages) == balance_costs(costs, stages)
+
+
+def test_balance_weighted_gives_fewer_layers_to_stages_that_keep_more_microbatches() -> None:
+    # 1F1B with 4 stages: stage 0 keeps 4 micro-batches in flight, stage 3 keeps one.
+    balance = balance_weighted([0.0] * 10, [1.0] * 10, [4, 3, 2, 1])
+    # stage memory 4·1, 3·2, 2·3, 1·4: the worst is 6, and no split does better
+    assert balance == [1, 2, 3, 4]
+
+
+def test_balance_weighted_handles_a_thousand_layers_quickly() -> None:
+    costs = [float((i * 7919) % 13 + 1) for i in range(1000)]
+    start = time.perf_counter()
+    balance = balance_weighted(costs, costs, [8, 7, 6, 5, 4, 3, 2, 1])
+    assert time.perf_counter() - start < 10
+    assert sum(balance) == 1000 and min(balance) >= 1
+
+
+def test_balance_weighted_rejects_mismatched_lengths() -> None:
+    with pytest.raises(ValueError, match="one entry per layer"):
+        balance_weighted([1.0, 2.0], [1.0], [1])
+
+
+def make_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 64), nn.ReLU(), nn.Linear(64, 64), nn.Linear(64, 4))
+
+
+def test_balance_by_params_splits_parameter_counts_evenly() -> None:
+    model = nn.Sequential(nn.Linear(10, 10), nn.Linear(10, 10), nn.Linear(10, 10), nn.ReLU())
+    # 110, 110, 110 and 1 (parameter-free layers count as one)
+    assert balance_by_params(model, 3) == [1, 1, 2]
+    assert balance_by_params(model, 2) == [2, 2]
+
+
+def test_balance_by_memory_counts_kept_microbatches_per_stage() -> None:
+    # Four identical parameter-free layers saving the same activation: more micro-batches in
+    # flight on a stage means fewer layers there.
+    model = nn.Sequential(*[nn.Tanh() for _ in range(6)])
+    sample = torch.randn(8, 32)
+    assert balance_by_memory(model, sample, 2) == [3, 3]
+    assert balance_by_memory(model, sample, 2, kept_microbatches=[2, 1]) == [2, 4]
+
+
+def test_balance_by_memory_weighs_optimizer_state() -> None:
+    # The Linear's weight bytes (4096 floats) dwarf activations; with Adam it triples.
+    model = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Tanh(), nn.Tanh())
+    sample = torch.randn(2, 64)
+    measured = profile(model, sample, repeats=1, warmup=0, optimizer="adam")
+    assert measured.optimizer_bytes[0] == 2 * measured.parameter_bytes[0]
+    assert balance_by_memory(model, sample, 2, optimizer="adam") == [1, 3]
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "message"),
+    [
+        (lambda m, x: balance_by_time(m, x, 0), ValueError, "at least 1"),
+        (lambda m, x: balance_by_time(m, x, 5), ValueError, "at most 4 stages"),
+        (lambda m, x: balance_by_memory(m, x, 5), ValueError, "at most 4 stages"),
+        (lambda m, x: balance_by_params(m, 5), ValueError, "at most 4 stages"),
+        (lambda m, x: balance_by_params(m, 2.0), TypeError, "must be an int"),
+        (lambda m, x: balance_by_time(list(m), x, 2), TypeError, r"nn.Sequential\(\*layers\)"),
+        (lambda m, x: balance_by_params(nn.Linear(2, 2), 1), TypeError, "nn.Sequential"),
+        (lambda m, x: balance_by_time(m, torch.empty(0, 4), 2), ValueError, "non-empty batch"),
+        (lambda m, x: balance_by_memory(m, (), 2), ValueError, "non-empty batch"),
+        (
+            lambda m, x: balance_by_memory(m, x, 2, kept_microbatches=[1]),
+            ValueError,
+            "one per stage",
+        ),
+    ],
+)
+def test_balance_by_functions_reject_bad_arguments_naming_the_fix(
+    call, error: type[Exception], message: str
+) -> None:
+    with pytest.raises(error, match=message):
+        call(make_model(), torch.randn(2, 4))
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """Time on one intra-op thread: on a shared 2-core machine, idle OpenMP workers waiting
+    for a busy core add milliseconds of noise to sub-millisecond layers."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def stage_time(stage: nn.Sequential, tokens: torch.Tensor, repeats: int = 5) -> float:
+    """Median forward + backward seconds of one stage, measured as a whole."""
+    stage.zero_grad(set_to_none=True)
+    runs = []
+    for _ in range(repeats):
+        x = tokens if not tokens.is_floating_point() else tokens.detach().requires_grad_()
+        start = time.perf_counter()
+        out = stage(x)
+        out.backward(torch.ones_like(out))
+        runs.append(time.perf_counter() - start)
+        stage.zero_grad(set_to_none=True)
+    return sorted(runs)[len(runs) // 2]
+
+
+def time_spread(model: nn.Sequential, tokens: torch.Tensor, balance: list[int]) -> float:
+    """Slowest stage time over fastest, feeding each stage the previous stage's output."""
+    times, start, x = [], 0, tokens
+    for size in balance:
+        stage = model[start : start + size]
+        times.append(stage_time(stage, x))
+        with torch.no_grad():
+            x = stage(x)
+        start += size
+    return max(times) / min(times)
+
+
+def test_balance_by_time_evens_out_a_model_with_a_heavy_output_head(one_thread: None) -> None:
+    # An embedding, six light blocks (64x64) and a head 30 times as costly as a block
+    # (64 x 2000): an even split by layer count puts the head with three blocks.
+    torch.manual_seed(0)
+    blocks = [nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(6)]
+    model = nn.Sequential(nn.Embedding(2000, 64), *blocks, nn.Linear(64, 2000))
+    tokens = torch.randint(0, 2000, (16, 32))
+
+    balance = balance_by_time(model, tokens, 2, repeats=3, warmup=1)
+
+    assert balance == [7, 1]
+    assert time_spread(model, tokens, balance) < time_spread(model, tokens, [4, 4])

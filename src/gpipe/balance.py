@@ -3,8 +3,20 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
-__all__ = ["balance_costs"]
+import torch
+from torch import nn
+
+from gpipe.profile import profile
+
+__all__ = [
+    "balance_by_memory",
+    "balance_by_params",
+    "balance_by_time",
+    "balance_costs",
+    "balance_weighted",
+]
 
 
 def _fits(prefix: Sequence[float], stages: int, limit: float) -> bool:
@@ -46,9 +58,7 @@ def balance_costs(costs: Sequence[float], stages: int) -> list[int]:
     n = len(costs)
     if not 1 <= stages <= n:
         raise ValueError(f"cannot cut {n} layers into {stages} non-empty stages")
-    for i, cost in enumerate(costs):
-        if not cost >= 0 or cost == float("inf"):
-            raise ValueError(f"costs must be finite and >= 0, got costs[{i}] = {cost!r}")
+    _check_costs("costs", costs)
 
     prefix = [0.0]
     for cost in costs:
@@ -76,3 +86,207 @@ def balance_costs(costs: Sequence[float], stages: int) -> list[int]:
         start = end
     balance.append(n - start)
     return balance
+
+
+def balance_weighted(
+    fixed: Sequence[float], per_microbatch: Sequence[float], kept: Sequence[float]
+) -> list[int]:
+    """Layers per stage minimizing the costliest stage when stages weigh activations unequally.
+
+    Stage ``k`` holding layers ``i..j-1`` costs ``sum(fixed[i:j]) + kept[k] *
+    sum(per_microbatch[i:j])``: for memory, parameters and optimizer state once, activations
+    once per micro-batch the schedule keeps in flight there (``[M] * K`` for GPipe without
+    re-materialization, ``[min(K - k, M) for k in range(K)]`` for 1F1B). Since the weight
+    depends on the stage, the split is found by an exact dynamic program over contiguous
+    splits, O(K·n²) at worst. Among optimal splits, the one with the fewest layers on the
+    last stage; no stage is ever empty.
+
+    Args:
+        fixed: a non-negative per-layer cost paid once (parameter, gradient, optimizer bytes).
+        per_microbatch: a non-negative per-layer cost paid per kept micro-batch.
+        kept: one non-negative weight per stage; its length is the number of stages.
+
+    Returns:
+        The balance: layers per stage, summing to ``len(fixed)``.
+
+    Raises:
+        ValueError: lengths that differ, a stage count out of range, or a negative or
+            non-finite cost or weight.
+    """
+    n, stages = len(fixed), len(kept)
+    if len(per_microbatch) != n:
+        raise ValueError(
+            f"fixed and per_microbatch need one entry per layer, got {n} and {len(per_microbatch)}"
+        )
+    if not 1 <= stages <= n:
+        raise ValueError(f"cannot cut {n} layers into {stages} non-empty stages")
+    _check_costs("fixed", fixed)
+    _check_costs("per_microbatch", per_microbatch)
+    _check_costs("kept", kept)
+
+    fixed_sum, micro_sum = [0.0], [0.0]
+    for a, b in zip(fixed, per_microbatch):
+        fixed_sum.append(fixed_sum[-1] + a)
+        micro_sum.append(micro_sum[-1] + b)
+
+    def cost(stage: int, start: int, end: int) -> float:
+        # NOTE: the search and the reconstruction must compute a stage's cost the very same
+        # way, or float round-off could make the optimum look unreachable.
+        weight = kept[stage]
+        return (fixed_sum[end] - fixed_sum[start]) + weight * (micro_sum[end] - micro_sum[start])
+
+    inf = float("inf")
+    # best[k][j]: the smallest possible costliest stage when stages 0..k-1 hold layers 0..j-1.
+    best = [[inf] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = 0.0
+    for stage in range(stages):
+        before, after = best[stage], best[stage + 1]
+        for end in range(stage + 1, n - (stages - stage - 1) + 1):
+            value = inf
+            # Walking the start back only grows this stage, so stop once it alone costs more.
+            for start in range(end - 1, stage - 1, -1):
+                here = cost(stage, start, end)
+                if here >= value:
+                    break
+                value = min(value, max(before[start], here))
+            after[end] = value
+
+    optimum = best[stages][n]
+    balance: list[int] = []
+    end = n
+    for stage in range(stages - 1, -1, -1):
+        # The latest start that still allows the optimum keeps later stages short.
+        start = end - 1
+        while not (best[stage][start] <= optimum and cost(stage, start, end) <= optimum):
+            start -= 1
+        balance.append(end - start)
+        end = start
+    return balance[::-1]
+
+
+def balance_by_time(
+    module: nn.Sequential,
+    sample: Any,
+    stages: int,
+    *,
+    device: str | torch.device = "cpu",
+    repeats: int = 5,
+    warmup: int = 2,
+) -> list[int]:
+    """Layers per stage so every stage takes about the same forward + backward time.
+
+    Args:
+        module: the model.
+        sample: one micro-batch of input.
+        stages: how many stages to cut into.
+        device: where to time the layers.
+        repeats: timed runs per layer (the median is kept).
+        warmup: untimed runs before them.
+
+    Returns:
+        The balance: layers per stage.
+
+    Raises:
+        TypeError: ``module`` is not an ``nn.Sequential`` or ``stages`` not an int.
+        ValueError: ``stages`` out of range or an empty sample.
+    """
+    _check_stages(module, stages)
+    measured = profile(module, sample, device=device, repeats=repeats, warmup=warmup)
+    return balance_costs(measured.costs("time"), stages)
+
+
+def balance_by_memory(
+    module: nn.Sequential,
+    sample: Any,
+    stages: int,
+    *,
+    optimizer: str | type[torch.optim.Optimizer] | None = None,
+    kept_microbatches: Sequence[int] | int = 1,
+    device: str | torch.device = "cpu",
+) -> list[int]:
+    """Layers per stage so the stage holding the most memory holds as little as possible.
+
+    A stage holds its parameters, their gradients and optimizer state once, and the
+    activations autograd saves for ``kept_microbatches`` micro-batches at once.
+
+    Args:
+        module: the model.
+        sample: one micro-batch of input.
+        stages: how many stages to cut into.
+        optimizer: whose state to count, see :func:`gpipe.profile.optimizer_state_factor`.
+        kept_microbatches: micro-batches of activations each stage keeps under the schedule:
+            one number for all stages, or one per stage (``[M] * K`` for GPipe without
+            re-materialization, ``[min(K - k, M) for k in range(K)]`` for 1F1B).
+        device: where to run the layers.
+
+    Returns:
+        The balance: layers per stage.
+
+    Raises:
+        TypeError: ``module`` is not an ``nn.Sequential`` or ``stages`` not an int.
+        ValueError: ``stages`` out of range, an empty sample, an unknown optimizer, or
+            ``kept_microbatches`` with a negative entry or not one entry per stage.
+    """
+    _check_stages(module, stages)
+    if isinstance(kept_microbatches, int):
+        kept = [kept_microbatches] * stages
+    else:
+        kept = list(kept_microbatches)
+    if len(kept) != stages or any(k < 0 for k in kept):
+        raise ValueError(
+            f"kept_microbatches must be a count >= 0 or one per stage ({stages}), got "
+            f"{kept_microbatches!r}"
+        )
+    # Only bytes matter here, so one untimed pass is enough.
+    measured = profile(module, sample, device=device, repeats=1, warmup=0, optimizer=optimizer)
+    fixed = [
+        float(p + g + o)
+        for p, g, o in zip(
+            measured.parameter_bytes, measured.gradient_bytes, measured.optimizer_bytes
+        )
+    ]
+    return balance_weighted(fixed, [float(a) for a in measured.activation_bytes], kept)
+
+
+def balance_by_params(module: nn.Sequential, stages: int) -> list[int]:
+    """Layers per stage so every stage holds about the same number of parameters.
+
+    Parameter-free layers count as one parameter, so they spread rather than pile up.
+
+    Args:
+        module: the model.
+        stages: how many stages to cut into.
+
+    Returns:
+        The balance: layers per stage.
+
+    Raises:
+        TypeError: ``module`` is not an ``nn.Sequential`` or ``stages`` not an int.
+        ValueError: ``stages`` out of range.
+    """
+    _check_stages(module, stages)
+    costs = [max(1, sum(p.numel() for p in layer.parameters())) for layer in module]
+    return balance_costs(costs, stages)
+
+
+def _check_stages(module: nn.Module, stages: int) -> None:
+    if not isinstance(module, nn.Sequential):
+        raise TypeError(
+            f"balancing needs an nn.Sequential, got {type(module).__name__}; wrap the layers: "
+            "nn.Sequential(*layers)"
+        )
+    if not isinstance(stages, int) or isinstance(stages, bool):
+        raise TypeError(f"stages must be an int, got {stages!r}")
+    if stages < 1:
+        raise ValueError(f"stages must be at least 1, got {stages}")
+    if stages > len(module):
+        raise ValueError(
+            f"cannot cut {len(module)} layers into {stages} stages: use at most "
+            f"{len(module)} stages, or a module with more layers"
+        )
+
+
+def _check_costs(name: str, costs: Sequence[float]) -> None:
+    for i, cost in enumerate(costs):
+        if not cost >= 0 or cost == float("inf"):
+            raise ValueError(f"{name} must be finite and >= 0, got {name}[{i}] = {cost!r}")
