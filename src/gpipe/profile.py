@@ -360,7 +360,9 @@ def _preserved(module: nn.Module, device: torch.device) -> Iterator[None]:
     buffers = [(b, b.detach().clone()) for b in module.buffers()]
     for p, _ in grads:
         p.grad = None
-    rng_devices = [device.index or 0] if device.type == "cuda" else []
+    rng_devices = []
+    if device.type == "cuda":
+        rng_devices = [device.index if device.index is not None else torch.cuda.current_device()]
     try:
         with torch.random.fork_rng(devices=rng_devices):
             yield
