@@ -1,28 +1,84 @@
 """gpipe: pipeline-parallel training for PyTorch.
 
     from gpipe import GPipe
-    pipe = GPipe(nn.Sequential(...), balance=[2, 3, 3], chunks=8)
+    pipe = GPipe(nn.Sequential(...), balance=[2, 3, 3], chunks=8, schedule="1f1b")
     loss = pipe.train_step(x, target, loss_fn)
+
+Schedules, the simulator and timelines are plain Python; the names that need PyTorch load
+it on first use, so ``gpipe simulate`` starts at once.
 """
 
-from gpipe.balance import balance_costs
-from gpipe.microbatch import gather, scatter
-from gpipe.partition import balance_by_params
-from gpipe.pipe import GPipe
-from gpipe.schedule import Action, Schedule, make_schedule
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from gpipe.schedule import Action, Schedule, ScheduleError, make_schedule, validate
+from gpipe.simulate import Costs, simulate
 from gpipe.timeline import Event, Timeline
+
+if TYPE_CHECKING:
+    from gpipe.balance import (
+        balance_by_memory,
+        balance_by_params,
+        balance_by_time,
+        balance_costs,
+        balance_weighted,
+    )
+    from gpipe.microbatch import gather, scatter
+    from gpipe.pipe import GPipe
+    from gpipe.plan import Plan, plan
+    from gpipe.profile import Profile, profile
 
 __version__ = "0.1.0"
 
+_LAZY = {
+    "GPipe": "gpipe.pipe",
+    "gather": "gpipe.microbatch",
+    "scatter": "gpipe.microbatch",
+    "balance_by_memory": "gpipe.balance",
+    "balance_by_params": "gpipe.balance",
+    "balance_by_time": "gpipe.balance",
+    "balance_costs": "gpipe.balance",
+    "balance_weighted": "gpipe.balance",
+    "Profile": "gpipe.profile",
+    "profile": "gpipe.profile",
+    "Plan": "gpipe.plan",
+    "plan": "gpipe.plan",
+}
+
 __all__ = [
     "Action",
+    "Costs",
     "Event",
     "GPipe",
+    "Plan",
+    "Profile",
     "Schedule",
+    "ScheduleError",
     "Timeline",
+    "balance_by_memory",
     "balance_by_params",
+    "balance_by_time",
     "balance_costs",
+    "balance_weighted",
     "gather",
     "make_schedule",
+    "plan",
+    "profile",
     "scatter",
+    "simulate",
+    "validate",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'gpipe' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

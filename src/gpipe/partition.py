@@ -7,9 +7,7 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from gpipe.balance import balance_costs
-
-__all__ = ["balance_by_params", "check_balance", "split_module"]
+__all__ = ["check_balance", "split_module"]
 
 
 def check_balance(module: nn.Sequential, balance: Sequence[int]) -> list[int]:
@@ -24,7 +22,7 @@ def check_balance(module: nn.Sequential, balance: Sequence[int]) -> list[int]:
     balance = list(balance)
     if not balance or not all(isinstance(b, int) and not isinstance(b, bool) for b in balance):
         raise TypeError(f"balance must be a non-empty list of ints, got {balance!r}")
-    fix = f"e.g. balance_by_params(module, {min(len(balance), len(module)) or 1})"
+    fix = f"e.g. gpipe.balance_by_time(module, sample, {min(len(balance), len(module)) or 1})"
     if any(b < 1 for b in balance):
         raise ValueError(f"every stage needs at least one layer, got balance={balance}; {fix}")
     if sum(balance) != len(module):
@@ -33,21 +31,6 @@ def check_balance(module: nn.Sequential, balance: Sequence[int]) -> list[int]:
             f"layers; {fix}"
         )
     return balance
-
-
-def balance_by_params(module: nn.Sequential, stages: int) -> list[int]:
-    """Layers per stage so every stage holds about the same number of parameters.
-
-    The split is the exact optimum of :func:`gpipe.balance.balance_costs` on per-layer
-    parameter counts; parameter-free layers count as one so they spread rather than pile up.
-    """
-    if stages > len(module):
-        raise ValueError(
-            f"cannot cut {len(module)} layers into {stages} stages: use at most "
-            f"{len(module)} devices, or a module with more layers"
-        )
-    costs = [max(1, sum(p.numel() for p in layer.parameters())) for layer in module]
-    return balance_costs(costs, stages)
 
 
 def split_module(module: nn.Sequential, balance: Sequence[int]) -> nn.ModuleList:

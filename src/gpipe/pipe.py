@@ -9,9 +9,10 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from gpipe.balance import balance_by_params
 from gpipe.checkpoint import check_checkpoint
 from gpipe.microbatch import batch_size, gather, scatter
-from gpipe.partition import balance_by_params, check_balance, split_module
+from gpipe.partition import check_balance, split_module
 from gpipe.randomness import draw_step_seed
 from gpipe.runtime.step import Loss, Step
 from gpipe.runtime.transport import ACTIVATION, GRADIENT

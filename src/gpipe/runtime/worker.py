@@ -12,6 +12,7 @@ from torch import nn
 
 from gpipe.checkpoint import checkpointed
 from gpipe.randomness import RandomProbe, seeded, stream_seed
+from gpipe.runtime.split_backward import WeightGradient, backward_input, backward_weight
 from gpipe.runtime.transport import ACTIVATION, GRADIENT
 from gpipe.schedule.action import BACKWARD, FORWARD, Action
 from gpipe.structure import leaves, map_tensors
@@ -48,7 +49,7 @@ class _Saved:
     inputs: Any
     outputs: Any  # the backward roots (outputs, or the weighted loss); None if checkpointed
     nbytes: int
-    roots: list[tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=list)
+    weight: WeightGradient | None = None  # set by B when W runs separately
 
 
 class _SavedBytes:
@@ -189,8 +190,8 @@ class StageWorker:
         inputs = _grad_leaves(saved.inputs)
         wanted = [leaf for leaf in inputs if leaf is not None]
         if step.split_backward:
-            found = self._input_grads(roots, wanted)
-            saved.roots = roots
+            params = [p for p in step.stages.modules[stage].parameters() if p.requires_grad]
+            found, saved.weight = backward_input(roots, wanted, params)
         else:
             if roots:
                 torch.autograd.backward([r for r, _ in roots], [g for _, g in roots])
@@ -208,10 +209,9 @@ class StageWorker:
     def weight(self, action: Action) -> None:
         step, stage, mb = self.step, action.stage, action.microbatch
         start = time.perf_counter_ns()
-        roots = step.saved[stage, mb].roots
-        params = [p for p in step.stages.modules[stage].parameters() if p.requires_grad]
-        if roots and params:
-            torch.autograd.backward([r for r, _ in roots], [g for _, g in roots], inputs=params)
+        weight = step.saved[stage, mb].weight
+        if weight is not None:
+            backward_weight(weight)
         peak = self.held
         self._release(stage, mb)
         self._record(action, start, peak)
@@ -247,22 +247,6 @@ class StageWorker:
                 result = call()
             step.stages.draws_random[key] = probe.found
             return result
-
-    def _input_grads(
-        self, roots: list[tuple[torch.Tensor, torch.Tensor | None]], wanted: list[torch.Tensor]
-    ) -> list[torch.Tensor | None]:
-        """Input gradients only, keeping the graph for the weight gradient (zero-bubble B)."""
-        if not roots or not wanted:
-            return [None] * len(wanted)
-        return list(
-            torch.autograd.grad(
-                [r for r, _ in roots],
-                wanted,
-                [g for _, g in roots],
-                retain_graph=True,
-                allow_unused=True,
-            )
-        )
 
     def _release(self, stage: int, mb: int) -> None:
         saved = self.step.saved.pop((stage, mb))
