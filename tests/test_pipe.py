@@ -264,3 +264,49 @@ def test_layer_moved_after_wrapping_is_reported() -> None:
     model[2].to("meta")
     with pytest.raises(ValueError, match=r"'2\.weight' of stage 1 is on meta.*devices="):
         pipe(torch.randn(2, 6, dtype=torch.float64))
+
+
+def _head_heavy_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    blocks = [nn.Sequential(nn.Linear(32, 32), nn.ReLU()) for _ in range(6)]
+    return nn.Sequential(nn.Embedding(50, 32), *blocks, nn.Linear(32, 4000))
+
+
+@pytest.mark.parametrize("how", ["params", "time", "memory"])
+def test_balance_by_name_measures_the_model_and_covers_every_layer(how: str) -> None:
+    model = _head_heavy_model()
+    sample = torch.randint(0, 50, (16, 8))
+    pipe = GPipe(model, how, devices=["cpu"] * 3, chunks=4, sample=sample)
+    assert sum(pipe.balance) == len(model) and all(b >= 1 for b in pipe.balance)
+    assert pipe.balance[-1] == 1  # the 4000-wide head outweighs everything else: alone
+
+
+def test_balance_by_time_without_sample_names_the_fix() -> None:
+    with pytest.raises(ValueError, match="pass sample="):
+        GPipe(_head_heavy_model(), "time", devices=["cpu"] * 2)
+
+
+def test_unknown_balance_name_is_rejected() -> None:
+    with pytest.raises(ValueError, match="'params', 'time', 'memory'"):
+        GPipe(make_mlp(2), "speed", devices=["cpu"] * 2)
+
+
+def test_from_plan_builds_the_pipe_the_plan_describes() -> None:
+    class Plan:
+        def pipe_kwargs(self) -> dict:
+            return {
+                "balance": [1, 3],
+                "devices": ["cpu", "cpu"],
+                "chunks": 3,
+                "checkpoint": "never",
+                "schedule": "1f1b",
+                "virtual_stages": 1,
+            }
+
+    pipe = GPipe.from_plan(make_mlp(2), Plan())
+    assert (pipe.balance, pipe.chunks, pipe.checkpoint, pipe.schedule) == (
+        [1, 3],
+        3,
+        "never",
+        "1f1b",
+    )

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from gpipe.balance import balance_by_params
+from gpipe.balance import balance_by_memory, balance_by_params, balance_by_time
 from gpipe.checkpoint import check_checkpoint
 from gpipe.microbatch import batch_size, gather, scatter
 from gpipe.partition import check_balance, split_module
@@ -19,6 +19,7 @@ from gpipe.runtime.transport import ACTIVATION, GRADIENT
 from gpipe.runtime.worker import Stages
 from gpipe.schedule import Schedule, make_schedule
 from gpipe.schedule.action import BACKWARD, FORWARD
+from gpipe.simulate import Costs, simulate
 from gpipe.structure import leaves, map_tensors
 from gpipe.timeline import Timeline
 
@@ -53,8 +54,9 @@ class GPipe(nn.Module):
 
     Args:
         module: the model, an ``nn.Sequential``; its layers are moved to their devices.
-        balance: layers per stage (``[3, 2, 3]``), or None to balance parameter counts
-            over ``len(devices)`` stages.
+        balance: layers per stage (``[3, 2, 3]``); or how to find it: "params" (also
+            None) evens out parameter counts, "time" measured forward + backward time,
+            "memory" the memory each stage holds under the schedule (both need ``sample``).
         devices: one device per stage; None puts every stage on "cpu" (as many stages as
             ``balance`` lists, else one per GPU, else 2).
         chunks: M, the number of micro-batches per mini-batch.
@@ -65,6 +67,8 @@ class GPipe(nn.Module):
             always runs GPipe's fill-drain.
         virtual_stages: model stages per device (interleaved schedules); ``balance`` then
             lists ``len(devices) * virtual_stages`` entries.
+        sample: a mini-batch like the ones to train on, for ``balance="time"|"memory"``.
+        optimizer: the optimizer whose state ``balance="memory"`` counts ("adam", ...).
 
     Raises:
         TypeError: ``module`` is not an ``nn.Sequential``, or ``balance`` is not a list.
@@ -74,13 +78,15 @@ class GPipe(nn.Module):
     def __init__(
         self,
         module: nn.Sequential,
-        balance: Sequence[int] | None = None,
+        balance: Sequence[int] | str | None = None,
         *,
         devices: Sequence[Device] | None = None,
         chunks: int = 1,
         checkpoint: str = "except_last",
         schedule: str = "gpipe",
         virtual_stages: int = 1,
+        sample: Any = None,
+        optimizer: Any = None,
     ) -> None:
         super().__init__()
         if not isinstance(module, nn.Sequential):
@@ -104,20 +110,18 @@ class GPipe(nn.Module):
         self.virtual_stages = virtual_stages
 
         if devices is None:
-            count = len(balance) // virtual_stages if balance is not None else None
-            count = count or _default_stage_count(module)
-            devices = ["cpu"] * count
+            count = None
+            if balance is not None and not isinstance(balance, str):
+                count = len(balance) // virtual_stages
+            devices = ["cpu"] * (count or _default_stage_count(module))
         if isinstance(devices, (str, torch.device, int)):
             raise TypeError(f"devices must be a list, one device per stage, got {devices!r}")
         self.devices = [_as_device(d) for d in devices]
         stage_count = len(self.devices) * virtual_stages
-        if balance is None:
-            if stage_count > len(module):
-                raise ValueError(
-                    f"more stages ({stage_count}) than layers ({len(module)}): use at most "
-                    f"{len(module)} devices"
-                )
-            balance = balance_by_params(module, stage_count)
+        if balance is None or isinstance(balance, str):
+            balance = self._find_balance(
+                module, balance or "params", stage_count, sample, optimizer
+            )
         balance = check_balance(module, balance)
         if len(balance) != stage_count:
             raise ValueError(
@@ -137,6 +141,40 @@ class GPipe(nn.Module):
         self._stages = Stages(list(self.partitions), self.devices, placement)
         self._last: Step | None = None
         self._last_schedule = "gpipe"
+
+    @classmethod
+    def from_plan(cls, module: nn.Sequential, plan: Any) -> GPipe:
+        """The pipe a :func:`gpipe.plan` result describes: stages, chunks, schedule..."""
+        return cls(module, **plan.pipe_kwargs())
+
+    def _find_balance(
+        self, module: nn.Sequential, how: str, stages: int, sample: Any, optimizer: Any
+    ) -> list[int]:
+        if stages > len(module):
+            raise ValueError(
+                f"more stages ({stages}) than layers ({len(module)}): use at most "
+                f"{len(module)} devices"
+            )
+        if how == "params":
+            return balance_by_params(module, stages)
+        if how not in ("time", "memory"):
+            raise ValueError(
+                f"balance must be a list of layers per stage or one of 'params', 'time', "
+                f"'memory'; got {how!r}"
+            )
+        if sample is None:
+            raise ValueError(
+                f"balance={how!r} measures the model: pass sample=<a mini-batch> as well"
+            )
+        microbatch = scatter(sample, self.chunks)[0]
+        if how == "time":
+            return balance_by_time(module, microbatch, stages)
+        kept = _kept_microbatches(
+            self._schedule_for(self.chunks), self.checkpoint, stages, self.virtual_stages
+        )
+        return balance_by_memory(
+            module, microbatch, stages, optimizer=optimizer, kept_microbatches=kept
+        )
 
     # -- nn.Sequential-like access to the user's layers --------------------------------
 
@@ -293,6 +331,20 @@ class GPipe(nn.Module):
                         f"on {device}: the pipe owns device placement, so don't move its "
                         "layers after wrapping; pass devices=[...] to GPipe instead"
                     )
+
+
+def _kept_microbatches(
+    schedule: Schedule, checkpoint: str, stages: int, virtual_stages: int
+) -> list[int]:
+    """Micro-batches of activations each model stage holds at its peak under ``schedule``.
+
+    Read off the simulator with one unit of activation per micro-batch; re-materialization
+    keeps one micro-batch's activations at a time (the one being recomputed).
+    """
+    if checkpoint != "never":
+        return [1] * stages
+    peaks = simulate(schedule, Costs()).peak_memory
+    return [-(-int(peaks[schedule.placement[s]]) // virtual_stages) for s in range(stages)]
 
 
 def _on(value: Any, device: torch.device) -> Any:
