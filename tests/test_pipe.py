@@ -206,7 +206,7 @@ def test_train_step_under_no_grad_is_an_error() -> None:
         ({"balance": [3, 3]}, ValueError, "sums to 6 but the module has 8 layers"),
         ({"balance": [4, 0, 4]}, ValueError, "at least one layer"),
         ({"balance": [5, -1, 4]}, ValueError, "at least one layer"),
-        ({"balance": "4,4"}, TypeError, "list of ints"),
+        ({"balance": "4,4"}, ValueError, "list of layers per stage"),
         ({"balance": [4, 4], "devices": ["cpu"] * 3}, ValueError, "balance lists 2 stages"),
         ({"devices": ["cpu"] * 9}, ValueError, "more stages"),
         ({"balance": [4, 4], "chunks": 0}, ValueError, "chunks must be an int >= 1"),
