@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 import threading
 
 import pytest
@@ -310,3 +311,50 @@ def test_from_plan_builds_the_pipe_the_plan_describes() -> None:
         "never",
         "1f1b",
     )
+
+
+def test_interleaved_pipe_call_and_backward_match_plain_training() -> None:
+    x = torch.randn(9, 6, dtype=torch.float64, requires_grad=True)
+    target = torch.randn(9, 6, dtype=torch.float64)
+    from conftest import reference_step
+
+    expected, _, expected_grads, expected_x = reference_step(make_mlp(), x, target, F.mse_loss)
+    model = make_mlp()
+    pipe = GPipe(
+        model, [2] * 8, devices=["cpu"] * 4, virtual_stages=2, chunks=4, schedule="interleaved"
+    )
+    out = pipe(x)
+    F.mse_loss(out, target).backward()
+    assert_close(out, expected)
+    for param, grad in zip(model.parameters(), expected_grads):
+        assert_close(param.grad, grad)
+    assert_close(x.grad, expected_x)
+    assert [len(events) for events in pipe.timeline.events] == [16, 16, 16, 16]
+
+
+def test_autocast_of_the_caller_reaches_every_stage() -> None:
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8))
+    pipe = GPipe(model, [1, 1, 1], chunks=2)
+    x = torch.randn(4, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = pipe(x)
+        expected = model(x)
+    assert out.dtype == torch.bfloat16
+    assert_close(out, expected)
+    out.float().sum().backward()
+    assert model[0].weight.grad.dtype == torch.float32
+
+
+def test_predicted_timeline_uses_the_measured_costs() -> None:
+    from gpipe.models import sleep_stages
+
+    pipe = GPipe(sleep_stages(3, 4, 8), [1, 1, 1], chunks=4, checkpoint="never", schedule="1f1b")
+    x, target = torch.randn(4, 2), torch.randn(4, 2)
+    pipe.train_step(x, target, F.mse_loss)
+    measured, predicted = pipe.timeline, pipe.predicted_timeline()
+    assert predicted.unit == "s" and predicted.schedule == "1f1b"
+    assert [len(e) for e in predicted.events] == [len(e) for e in measured.events]
+    # the prediction never waits on anything but the measured work itself
+    assert 0 < predicted.makespan <= measured.makespan
+    median_forward = statistics.median(measured.durations("F")[1])
+    assert predicted.durations("F")[1] == pytest.approx([median_forward] * 4)

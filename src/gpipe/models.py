@@ -132,6 +132,8 @@ class SleepLayer(nn.Module):
 
     The input and weight gradients sit on separate branches of the graph, so a schedule that
     splits them (zero-bubble) pays B and W separately, and one that does not pays B + W.
+    When the input needs no gradient (the first stage), B moves onto the weight branch, so
+    every stage's backward costs B + W and the ideal step time is the textbook one.
     Sleeping releases the GIL, as real kernels do, so stages overlap even on one core.
     """
 
@@ -143,8 +145,10 @@ class SleepLayer(nn.Module):
         self.weight = nn.Parameter(torch.zeros(()))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        delayed = _Delay.apply(x, self.forward_s, self.backward_s)
-        return delayed + _Delay.apply(self.weight, 0.0, self.weight_s)
+        needs_grad = x.requires_grad and torch.is_grad_enabled()
+        delayed = _Delay.apply(x, self.forward_s, self.backward_s if needs_grad else 0.0)
+        weight_s = self.weight_s + (0.0 if needs_grad else self.backward_s)
+        return delayed + _Delay.apply(self.weight, 0.0, weight_s)
 
 
 def sleep_stages(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -17,7 +18,7 @@ from gpipe.randomness import draw_step_seed
 from gpipe.runtime.step import Loss, Step
 from gpipe.runtime.transport import ACTIVATION, GRADIENT
 from gpipe.runtime.worker import Stages
-from gpipe.schedule import Schedule, make_schedule
+from gpipe.schedule import Action, Schedule, make_schedule
 from gpipe.schedule.action import BACKWARD, FORWARD
 from gpipe.simulate import Costs, simulate
 from gpipe.structure import leaves, map_tensors
@@ -140,7 +141,7 @@ class GPipe(nn.Module):
             partition.to(self.devices[placement[stage]])
         self._stages = Stages(list(self.partitions), self.devices, placement)
         self._last: Step | None = None
-        self._last_schedule = "gpipe"
+        self._last_schedule: Schedule | None = None
 
     @classmethod
     def from_plan(cls, module: nn.Sequential, plan: Any) -> GPipe:
@@ -212,9 +213,26 @@ class GPipe(nn.Module):
     @property
     def timeline(self) -> Timeline:
         """What the last step did: per device, each action's start and end (seconds)."""
-        if self._last is None:
+        if self._last is None or self._last_schedule is None:
             raise RuntimeError("no step has run yet: call pipe(x) or pipe.train_step(...) first")
-        return self._last.timeline(self._last_schedule)
+        return self._last.timeline(self._last_schedule.name)
+
+    def predicted_timeline(self, transfer: float = 0.0) -> Timeline:
+        """The simulator's timeline of the last step's schedule, fed its measured costs.
+
+        Each stage's F, B and W cost is the median of its measured durations, so laying this
+        beside :attr:`timeline` (``timeline.plot(path, compare=pipe.predicted_timeline())``)
+        shows what the runtime lost to waiting, hand-offs and overhead.
+
+        Args:
+            transfer: seconds one hand-off between devices takes, for the prediction.
+        """
+        measured = self.timeline
+        assert self._last_schedule is not None
+        costs = Costs.from_timeline(measured, stages=self._last_schedule.stages)
+        predicted = simulate(self._last_schedule, dataclasses.replace(costs, transfer=transfer))
+        predicted.unit = "s"
+        return predicted
 
     def forward(self, input: Any) -> Any:
         """Run ``input`` through the pipeline; the output lands on the last device.
@@ -224,8 +242,8 @@ class GPipe(nn.Module):
         """
         microbatches = self._scatter(input)
         grad = torch.is_grad_enabled()
-        step = self._new_step(len(microbatches), grad=grad)
-        schedule = make_schedule("gpipe", len(self.partitions), len(microbatches))
+        schedule = _fill_drain(len(self.devices), self.virtual_stages, len(microbatches))
+        step = self._new_step(len(microbatches), grad=grad, schedule=schedule)
         for i, mb in enumerate(microbatches):
             step.transport.send((ACTIVATION, 0, i), _to_stage(mb))
         step.run(schedule.only([FORWARD]).actions)
@@ -304,7 +322,7 @@ class GPipe(nn.Module):
         *,
         grad: bool,
         loss: Loss | None = None,
-        schedule: Schedule | None = None,
+        schedule: Schedule,
     ) -> Step:
         step = Step(
             self._stages,
@@ -313,10 +331,10 @@ class GPipe(nn.Module):
             checkpoint=self.checkpoint if (grad and self.training) else "never",
             seed=draw_step_seed() if self.training else 0,
             loss=loss,
-            split_backward=schedule is not None and schedule.split_backward,
+            split_backward=schedule.split_backward,
         )
         self._last = step
-        self._last_schedule = schedule.name if schedule is not None else "gpipe"
+        self._last_schedule = schedule
         return step
 
     def _check_placement(self) -> None:
@@ -331,6 +349,26 @@ class GPipe(nn.Module):
                         f"on {device}: the pipe owns device placement, so don't move its "
                         "layers after wrapping; pass devices=[...] to GPipe instead"
                     )
+
+
+def _fill_drain(devices: int, virtual_stages: int, microbatches: int) -> Schedule:
+    """GPipe's fill-drain over ``virtual_stages`` stages per device (what ``pipe(x)`` runs).
+
+    With one stage per device this is :func:`gpipe.schedule.gpipe`; with more, each device
+    runs its stages in increasing order forward and in decreasing order backward.
+    """
+    if virtual_stages == 1:
+        return make_schedule("gpipe", devices, microbatches)
+    stages = devices * virtual_stages
+    actions = []
+    for device in range(devices):
+        held = range(device, stages, devices)
+        forward = [Action(FORWARD, s, i) for s in held for i in range(microbatches)]
+        backward = [
+            Action(BACKWARD, s, i) for s in reversed(held) for i in reversed(range(microbatches))
+        ]
+        actions.append(tuple(forward + backward))
+    return Schedule("gpipe", tuple(actions), microbatches, stages)
 
 
 def _kept_microbatches(

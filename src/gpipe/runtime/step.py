@@ -60,6 +60,11 @@ class Step:
         self.seed = seed
         self.loss = loss
         self.split_backward = split_backward
+        self.autocast = [
+            (kind, torch.get_autocast_dtype(kind))
+            for kind in sorted({d.type for d in stages.devices} | {"cpu"})
+            if torch.is_autocast_enabled(kind)
+        ]
         self.transport = LocalTransport(stages.placement, stages.devices)
         self.saved: dict[tuple[int, int], _Saved] = {}
         self.losses: list[torch.Tensor | None] = [None] * microbatches

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -122,15 +123,19 @@ class StageWorker:
         self._params: dict[int, set[int]] = {}
 
     def run(self, actions: Sequence[Action]) -> None:
-        if self.torch_device.type == "cuda":
-            torch.cuda.set_device(self.torch_device)
         perform = {FORWARD: self.forward, BACKWARD: self.backward}
-        for action in actions:
-            try:
-                perform.get(action.kind, self.weight)(action)
-            except Exception as exc:
-                exc.gpipe_action = action  # type: ignore[attr-defined]
-                raise
+        on_device = (
+            torch.cuda.device(self.torch_device)
+            if self.torch_device.type == "cuda"
+            else contextlib.nullcontext()
+        )
+        with on_device:
+            for action in actions:
+                try:
+                    perform.get(action.kind, self.weight)(action)
+                except Exception as exc:
+                    exc.gpipe_action = action  # type: ignore[attr-defined]
+                    raise
 
     # -- the three actions -------------------------------------------------------------
 
@@ -228,7 +233,13 @@ class StageWorker:
         loss = step.loss if stage == len(step.stages.modules) - 1 else None
 
         def call() -> tuple[Any, torch.Tensor | None]:
-            output = module(inputs)
+            if step.autocast:  # the caller's torch.autocast, which threads don't inherit
+                with contextlib.ExitStack() as stack:
+                    for device_type, dtype in step.autocast:
+                        stack.enter_context(torch.autocast(device_type, dtype=dtype))
+                    output = module(inputs)
+            else:
+                output = module(inputs)
             if loss is None:
                 return output, None
             value = loss.fn(output, loss.targets[mb])
@@ -260,6 +271,10 @@ class StageWorker:
         return self._params[stage]
 
     def _record(self, action: Action, start_ns: int, memory: int | None = None) -> None:
+        if self.torch_device.type == "cuda":
+            # NOTE: kernels run asynchronously; without waiting, the timeline would show when
+            # work was queued, not when it ran.
+            torch.cuda.current_stream(self.torch_device).synchronize()
         origin = self.step.origin_ns
         end_ns = time.perf_counter_ns()
         self.events.append(
