@@ -1,10 +1,18 @@
-"""Stages of known latency: measured step time vs the ideal, the simulator, and torch.
+"""Stages of known latency: measured step time vs the simulator, the ideal, and torch.
 
-Each stage is a SleepLayer (forward F ms, backward B ms), so the ideal GPipe step is
-(M + K - 1)(F + B) and any excess is the runtime's own overhead.
+Each model stage is a SleepLayer: forward F ms, input gradient B ms, weight gradient W ms.
+A schedule without W actions pays B + W in its backward; zero-bubble (zb-h1) pays them
+apart. With zero overhead the runtime would take exactly what the simulator predicts for
+the schedule under these costs, so the simulator's makespan is each schedule's ideal, and
+``error = measured / predicted - 1`` is the runtime's own overhead. For GPipe with equal
+stages the ideal is (M + K - 1)(F + B + W).
 
-    python benchmarks/latency.py                      # K=4, M=16, F=10, B=20 and the grid
-    python benchmarks/latency.py --stages 4 --microbatches 16 --quick
+Interleaved runs K·v SleepLayers (v model stages per device, each costing F, B, W), so it
+does v times the work of the others. ZB-H1 splits the same total backward in two: by
+default B = W = B/2 (10 + 10 ms against the others' 20 ms), so the split matters.
+
+    python benchmarks/latency.py           # the GPipe grid, then every schedule at K=4, M=16
+    python benchmarks/latency.py --quick   # only the schedules, fewer steps, no torch
 """
 
 from __future__ import annotations
@@ -12,6 +20,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from dataclasses import dataclass
 
 import torch
 from torch.nn import functional as F
@@ -19,20 +28,87 @@ from torch.nn import functional as F
 import torch_reference
 from gpipe import GPipe
 from gpipe.models import sleep_stages
+from gpipe.schedule import make_schedule
+from gpipe.simulate import Costs, costs_from_timeline, simulate
 
 
-def measure(k: int, m: int, f_ms: float, b_ms: float, schedule: str, steps: int) -> list[float]:
+@dataclass(frozen=True)
+class Case:
+    """One schedule on K devices, M micro-batches, and per-model-stage costs in ms."""
+
+    schedule: str
+    k: int
+    m: int
+    f: float
+    b: float
+    w: float = 0.0
+    v: int = 1
+
+    @property
+    def layers(self) -> int:
+        return self.k * self.v
+
+    def predicted_ms(self) -> float:
+        """The simulator's makespan: this schedule's step with zero runtime overhead."""
+        schedule = make_schedule(self.schedule, self.k, self.m, virtual_stages=self.v)
+        return simulate(schedule, Costs(forward=self.f, backward=self.b, weight=self.w)).makespan
+
+    def gpipe_ideal_ms(self) -> float:
+        return (self.m + self.k - 1) * (self.f + self.b + self.w)
+
+
+def measure(case: Case, steps: int) -> tuple[list[float], float]:
+    """Seconds per ``train_step`` after one warm-up step, and the prediction in ms from the
+    last step's own action durations (so its error is the runtime's scheduling overhead,
+    without what each SleepLayer overshoots its nominal sleep)."""
     pipe = GPipe(
-        sleep_stages(k, f_ms, b_ms), [1] * k, chunks=m, checkpoint="never", schedule=schedule
+        sleep_stages(case.layers, case.f, case.b, case.w),
+        [1] * case.layers,
+        devices=["cpu"] * case.k,
+        chunks=case.m,
+        checkpoint="never",
+        schedule=case.schedule,
+        virtual_stages=case.v,
     )
-    x, target = torch.randn(m, 4), torch.randn(m, 4)
+    # NOTE: the input requires grad so stage 0 pays its B like every other stage, as the
+    # cost model says; without it stage 0 skips the input-gradient sleep.
+    x, target = torch.randn(case.m, 4, requires_grad=True), torch.randn(case.m, 4)
     pipe.train_step(x, target, F.mse_loss)  # warm-up
     times = []
     for _ in range(steps):
         began = time.perf_counter()
         pipe.train_step(x, target, F.mse_loss)
         times.append(time.perf_counter() - began)
-    return times
+    schedule = make_schedule(case.schedule, case.k, case.m, virtual_stages=case.v)
+    own = simulate(schedule, costs_from_timeline(pipe.timeline, case.layers)).makespan
+    return times, own * 1e3
+
+
+def torch_ms(case: Case, steps: int) -> float:
+    """Median ms per step of torch.distributed.pipelining on the same stages."""
+    times = torch_reference.step_times(
+        sleep_stages,
+        (case.k, case.f, case.b + case.w),
+        [1] * case.k,
+        schedule=case.schedule,
+        microbatches=case.m,
+        batch=(torch.randn(case.m, 4), torch.randn(case.m, 4)),
+        loss_fn=F.mse_loss,
+        steps=steps,
+    )
+    return statistics.median(times) * 1e3
+
+
+def gpipe_grid(args: argparse.Namespace) -> None:
+    f, b = args.forward_ms, args.backward_ms
+    print(f"{'K':>3} {'M':>3} {'ideal ms':>9} {'gpipe ms':>9} {'eff':>6} {'error':>7}")
+    for k in args.stages:
+        for m in args.microbatches:
+            ideal = (m + k - 1) * (f + b)
+            times, _ = measure(Case("gpipe", k, m, f, b), args.steps)
+            measured = statistics.median(times) * 1e3
+            print(f"{k:>3} {m:>3} {ideal:9.1f} {measured:9.1f} {ideal / measured:6.3f} "
+                  f"{measured / ideal - 1:+7.2%}")  # fmt: skip
 
 
 def main() -> None:
@@ -41,50 +117,82 @@ def main() -> None:
     parser.add_argument("--microbatches", type=int, nargs="+", default=[4, 8, 16, 32])
     parser.add_argument("--forward-ms", type=float, default=10.0)
     parser.add_argument("--backward-ms", type=float, default=20.0)
+    parser.add_argument(
+        "--zb-weight-ms",
+        type=float,
+        default=None,
+        help="the part of the backward that zb-h1 runs as W (default: half of it)",
+    )
+    parser.add_argument("--virtual-stages", type=int, default=2, help="v for interleaved")
+    parser.add_argument("--headline", type=int, nargs=2, default=[4, 16], metavar=("K", "M"))
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--no-torch", action="store_true", help="skip torch.distributed.pipelining")
+    parser.add_argument("--quick", action="store_true", help="no grid, no torch, 3 steps")
     args = parser.parse_args()
+    if args.quick:
+        args.no_torch, args.steps = True, 3
     f, b = args.forward_ms, args.backward_ms
+    zb_w = b / 2 if args.zb_weight_ms is None else args.zb_weight_ms
 
-    print(f"{'K':>3} {'M':>3} {'ideal ms':>9} {'gpipe ms':>9} {'eff':>6}")
-    headline: dict[str, float] = {}
-    for k in args.stages:
-        for m in args.microbatches:
-            ideal = (m + k - 1) * (f + b) / 1000
-            measured = statistics.median(measure(k, m, f, b, "gpipe", args.steps))
-            print(f"{k:>3} {m:>3} {ideal * 1e3:9.1f} {measured * 1e3:9.1f} {ideal / measured:6.3f}")
-            if (k, m) == (4, 16) or not headline:
-                headline = {"k": k, "m": m, "ideal": ideal, "measured": measured}
+    if not args.quick:
+        gpipe_grid(args)
+        print()
 
-    k, m = int(headline["k"]), int(headline["m"])
-    fields = {
-        "stages": k,
-        "microbatches": m,
-        "ideal_ms": f"{headline['ideal'] * 1e3:.1f}",
-        "gpipe_ms": f"{headline['measured'] * 1e3:.1f}",
-        "efficiency": f"{headline['ideal'] / headline['measured']:.3f}",
-    }
-    if not args.no_torch:
-        batch = (torch.randn(m, 4), torch.randn(m, 4))
-        torch_times = torch_reference.step_times(
-            sleep_stages,
-            (k, f, b),
-            [1] * k,
-            schedule="gpipe",
-            microbatches=m,
-            batch=batch,
-            loss_fn=F.mse_loss,
-            steps=args.steps,
-        )
-        torch_ms = statistics.median(torch_times) * 1e3
+    k, m = args.headline
+    cases = [
+        Case("1f1b", k, m, f, b),
+        Case("interleaved", k, m, f, b, v=args.virtual_stages),
+        Case("zb-h1", k, m, f, b - zb_w, zb_w),
+        Case("gpipe", k, m, f, b),  # last: the final RESULT line is the headline
+    ]
+    v = args.virtual_stages
+    print(f"every schedule at K={k} M={m}, per model stage F={f:g} B={b:g} W=0 ms; "
+          f"zb-h1 F={f:g} B={b - zb_w:g} W={zb_w:g} ms (the same work, split); "
+          f"interleaved v={v} runs {v}x the layers")  # fmt: skip
+    header = (
+        f"{'schedule':>15} {'F/B/W ms':>10} {'measured':>9} {'predicted':>9} {'error':>7} "
+        f"{'eff':>6} {'own pred':>9} {'error':>7} {'gpipe ideal':>11} {'torch':>8}"
+    )
+    print(header)
+    results = []
+    for case in cases:
+        times, own = measure(case, args.steps)
+        measured = statistics.median(times) * 1e3
+        predicted = case.predicted_ms()
+        fields: dict[str, object] = {
+            "schedule": case.schedule,
+            "stages": case.k,
+            "microbatches": case.m,
+            "measured_ms": f"{measured:.1f}",
+            "predicted_ms": f"{predicted:.1f}",
+            "error": f"{measured / predicted - 1:.4f}",
+            "efficiency": f"{predicted / measured:.3f}",
+        }
+        fields["predicted_own_ms"] = f"{own:.1f}"
+        fields["error_own"] = f"{measured / own - 1:.4f}"
+        if case.v > 1:
+            fields["virtual_stages"] = case.v
+        reference = None
+        if not args.no_torch and case.schedule in torch_reference._SCHEDULES:
+            reference = torch_ms(case, args.steps)
+            fields["torch_ms"] = f"{reference:.1f}"
+            fields["speedup_vs_torch"] = f"{reference / measured:.3f}"
+        if case.schedule == "gpipe":  # the keys this benchmark printed before, kept
+            fields["ideal_ms"] = f"{case.gpipe_ideal_ms():.1f}"
+            fields["gpipe_ms"] = f"{measured:.1f}"
+            if reference is not None:
+                fields["torch_efficiency"] = f"{case.gpipe_ideal_ms() / reference:.3f}"
+        name = case.schedule + (f" v={case.v}" if case.v > 1 else "")
         print(
-            f"torch.distributed.pipelining ScheduleGPipe K={k} M={m}: {torch_ms:.1f} ms, "
-            f"efficiency {headline['ideal'] * 1e3 / torch_ms:.3f}"
+            f"{name:>15} {f'{case.f:g}/{case.b:g}/{case.w:g}':>10} {measured:9.1f} "
+            f"{predicted:9.1f} {measured / predicted - 1:+7.2%} {predicted / measured:6.3f} "
+            f"{own:9.1f} {measured / own - 1:+7.2%} "
+            f"{case.gpipe_ideal_ms():11.1f} "
+            + (f"{reference:8.1f}" if reference is not None else f"{'-':>8}")
         )
-        fields["torch_ms"] = f"{torch_ms:.1f}"
-        fields["torch_efficiency"] = f"{headline['ideal'] * 1e3 / torch_ms:.3f}"
-        fields["speedup_vs_torch"] = f"{torch_ms / (headline['measured'] * 1e3):.3f}"
-    print("RESULT " + " ".join(f"{key}={value}" for key, value in fields.items()))
+        results.append(fields)
+    for fields in results:
+        print("RESULT " + " ".join(f"{key}={value}" for key, value in fields.items()))
 
 
 if __name__ == "__main__":
