@@ -70,8 +70,8 @@ def measure(case: Case, steps: int) -> tuple[list[float], float]:
         schedule=case.schedule,
         virtual_stages=case.v,
     )
-    # NOTE: the input requires grad so stage 0 pays its B like every other stage, as the
-    # cost model says; without it stage 0 skips the input-gradient sleep.
+    # NOTE: the input requires grad so stage 0 runs B and W apart like every other stage, as
+    # the cost model says; without it SleepLayer moves stage 0's B onto its W.
     x, target = torch.randn(case.m, 4, requires_grad=True), torch.randn(case.m, 4)
     pipe.train_step(x, target, F.mse_loss)  # warm-up
     times = []
