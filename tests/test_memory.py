@@ -139,14 +139,6 @@ def test_interleaved_device_of_two_middle_stages_holds_what_the_simulator_says(m
     assert by_action(measured.events[1]) == by_action(simulated.events[1])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "runtime/worker.py _SavedBytes.add counts untyped_storage().nbytes(): a micro-batch "
-        "of the caller's input (stage 0) or target (last stage) is a tensor_split view of the "
-        "whole batch, so each in-flight micro-batch is counted as the whole batch"
-    ),
-)
 def test_first_and_last_stage_count_a_microbatch_by_its_own_bytes() -> None:
     a = one_microbatch()
     m = K

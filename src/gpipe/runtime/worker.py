@@ -54,11 +54,16 @@ class _Saved:
 
 
 class _SavedBytes:
-    """Counts the bytes autograd saves for backward, once per storage, parameters excluded."""
+    """Counts the bytes autograd saves for backward, once per storage, parameters excluded.
+
+    A storage counts as many bytes as the largest tensor saved from it, not its full size:
+    a micro-batch is a view into the caller's whole batch (and so is its target), and must
+    count as one micro-batch, not the batch.
+    """
 
     def __init__(self, exclude: set[int], inputs: Any) -> None:
-        self._seen = set(exclude)
-        self._exclude = len(exclude)
+        self._exclude = exclude
+        self._bytes: dict[int, int] = {}
         self.nbytes = 0
         for leaf in leaves(inputs):
             if isinstance(leaf, torch.Tensor):
@@ -66,13 +71,16 @@ class _SavedBytes:
 
     def add(self, tensor: torch.Tensor) -> None:
         try:
-            storage = tensor.untyped_storage()
+            ptr = tensor.untyped_storage().data_ptr()
         except (RuntimeError, NotImplementedError):  # sparse or opaque tensors
             return
-        ptr = storage.data_ptr()
-        if ptr not in self._seen:
-            self._seen.add(ptr)
-            self.nbytes += storage.nbytes()
+        if ptr in self._exclude:
+            return
+        size = tensor.numel() * tensor.element_size()
+        before = self._bytes.get(ptr, 0)
+        if size > before:
+            self._bytes[ptr] = size
+            self.nbytes += size - before
 
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
         self.add(tensor)
@@ -81,6 +89,9 @@ class _SavedBytes:
     @staticmethod
     def unpack(tensor: torch.Tensor) -> torch.Tensor:
         return tensor
+
+
+_NOTHING: set[int] = set()
 
 
 def _as_leaves(value: Any) -> Any:
@@ -153,7 +164,7 @@ class StageWorker:
         if checkpointed(step.checkpoint, mb, step.microbatches):
             with torch.no_grad():
                 output, root = self._run(stage, mb, inputs)
-            saved = _Saved(inputs, None, _SavedBytes(set(), inputs).nbytes)
+            saved = _Saved(inputs, None, _SavedBytes(_NOTHING, inputs).nbytes)
         else:
             counter = _SavedBytes(self._param_storages(stage), inputs)
             with (
