@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 import torch
@@ -63,9 +64,18 @@ def run(args: argparse.Namespace) -> int:
     print(timeline)
     formula = (k - 1) / (m + k - 1)
     print(f"loss {first:.3f} -> {last:.3f} in {args.steps} steps ({seconds:.1f} s)")
-    print(f"bubble: measured {timeline.bubble:.3f}, GPipe formula (K-1)/(M+K-1) = {formula:.3f}")
+    predicted = pipe.predicted_timeline()
+    print(
+        f"bubble: measured {timeline.bubble:.3f}, GPipe formula (K-1)/(M+K-1) = {formula:.3f}, "
+        f"simulated with this step's measured stage costs {predicted.bubble:.3f}"
+    )
+    if os.cpu_count() and os.cpu_count() < k:  # type: ignore[operator]
+        print(
+            f"(the {k} stages share {os.cpu_count()} CPU cores here, so stages slow each "
+            "other down; on one device per stage they would not)"
+        )
     if args.plot:
-        print(f"timeline drawn to {timeline.plot(args.plot)}")
+        print(f"timeline drawn to {timeline.plot(args.plot, compare=predicted)}")
     print(
         f"RESULT stages={k} microbatches={m} first_loss={first:.4f} last_loss={last:.4f} "
         f"bubble={timeline.bubble:.4f} bubble_formula={formula:.4f} seconds={seconds:.2f}"
