@@ -11,8 +11,10 @@ from torch import nn
 from torch.nn import functional as F
 from torch.testing import assert_close
 
-from conftest import make_mlp
+from conftest import make_mlp, reference_step
 from gpipe import GPipe
+from gpipe.models import sleep_stages
+from gpipe.schedule import SCHEDULES, Action, Schedule, ScheduleError
 
 
 def test_partitions_hold_the_users_own_layers() -> None:
@@ -316,8 +318,6 @@ def test_from_plan_builds_the_pipe_the_plan_describes() -> None:
 def test_interleaved_pipe_call_and_backward_match_plain_training() -> None:
     x = torch.randn(9, 6, dtype=torch.float64, requires_grad=True)
     target = torch.randn(9, 6, dtype=torch.float64)
-    from conftest import reference_step
-
     expected, _, expected_grads, expected_x = reference_step(make_mlp(), x, target, F.mse_loss)
     model = make_mlp()
     pipe = GPipe(
@@ -346,8 +346,6 @@ def test_autocast_of_the_caller_reaches_every_stage() -> None:
 
 
 def test_predicted_timeline_uses_the_measured_costs() -> None:
-    from gpipe.models import sleep_stages
-
     pipe = GPipe(sleep_stages(3, 4, 8), [1, 1, 1], chunks=4, checkpoint="never", schedule="1f1b")
     x, target = torch.randn(4, 2), torch.randn(4, 2)
     pipe.train_step(x, target, F.mse_loss)
@@ -358,3 +356,39 @@ def test_predicted_timeline_uses_the_measured_costs() -> None:
     assert 0 < predicted.makespan <= measured.makespan
     median_forward = statistics.median(measured.durations("F")[1])
     assert predicted.durations("F")[1] == pytest.approx([median_forward] * 4)
+
+
+@pytest.mark.timeout(30)
+def test_a_custom_schedule_that_would_deadlock_is_refused_not_run(monkeypatch) -> None:
+    def backwards_first(stages: int, microbatches: int) -> Schedule:
+        # every device starts with a backward whose forward has not run: a deadlock
+        actions = [
+            [Action("B", k, i) for i in range(microbatches)]
+            + [Action("F", k, i) for i in range(microbatches)]
+            for k in range(stages)
+        ]
+        return Schedule("backwards-first", tuple(map(tuple, actions)), microbatches)
+
+    monkeypatch.setitem(SCHEDULES, "backwards-first", backwards_first)
+    with pytest.raises(ScheduleError, match="waits for"):
+        GPipe(make_mlp(2), [2, 2], chunks=2, schedule="backwards-first")
+
+
+def test_a_custom_registered_schedule_trains_like_plain_pytorch(monkeypatch) -> None:
+    def forward_all_then_backward_in_order(stages: int, microbatches: int) -> Schedule:
+        actions = [
+            [Action("F", k, i) for i in range(microbatches)]
+            + [Action("B", k, i) for i in range(microbatches)]
+            for k in range(stages)
+        ]
+        return Schedule("in-order", tuple(map(tuple, actions)), microbatches)
+
+    monkeypatch.setitem(SCHEDULES, "in-order", forward_all_then_backward_in_order)
+    x = torch.randn(8, 6, dtype=torch.float64)
+    target = torch.randn(8, 6, dtype=torch.float64)
+    _, expected_loss, expected_grads, _ = reference_step(make_mlp(), x, target, F.mse_loss)
+    model = make_mlp()
+    loss = GPipe(model, [4, 4, 8], chunks=4, schedule="in-order").train_step(x, target, F.mse_loss)
+    assert_close(loss, expected_loss)
+    for param, grad in zip(model.parameters(), expected_grads):
+        assert_close(param.grad, grad)

@@ -18,7 +18,7 @@ from gpipe.randomness import draw_step_seed
 from gpipe.runtime.step import Loss, Step
 from gpipe.runtime.transport import ACTIVATION, GRADIENT
 from gpipe.runtime.worker import Stages
-from gpipe.schedule import Action, Schedule, make_schedule
+from gpipe.schedule import Action, Schedule, make_schedule, validate
 from gpipe.schedule.action import BACKWARD, FORWARD
 from gpipe.simulate import Costs, simulate
 from gpipe.structure import leaves, map_tensors
@@ -109,6 +109,7 @@ class GPipe(nn.Module):
         self.chunks = chunks
         self.schedule = schedule
         self.virtual_stages = virtual_stages
+        self._schedules: dict[tuple[str, int], Schedule] = {}
 
         if devices is None:
             count = None
@@ -305,12 +306,22 @@ class GPipe(nn.Module):
     # -- pieces ------------------------------------------------------------------------
 
     def _schedule_for(self, microbatches: int) -> Schedule:
-        return make_schedule(
-            self.schedule,
-            len(self.devices),
-            microbatches,
-            virtual_stages=self.virtual_stages,
-        )
+        """The pipe's schedule for ``microbatches``, validated once, so none can hang a step."""
+        key = (self.schedule, microbatches)
+        if key not in self._schedules:
+            schedule = make_schedule(
+                self.schedule, len(self.devices), microbatches, virtual_stages=self.virtual_stages
+            )
+            stages = len(self.devices) * self.virtual_stages
+            if schedule.devices != len(self.devices) or schedule.stages != stages:
+                raise ValueError(
+                    f"schedule {self.schedule!r} made {schedule.devices} devices x "
+                    f"{schedule.stages} stages, but the pipe has {len(self.devices)} devices x "
+                    f"{stages} stages"
+                )
+            validate(schedule)
+            self._schedules[key] = schedule
+        return self._schedules[key]
 
     def _scatter(self, input: Any) -> list[Any]:
         self._check_placement()
