@@ -392,3 +392,19 @@ def test_a_custom_registered_schedule_trains_like_plain_pytorch(monkeypatch) -> 
     assert_close(loss, expected_loss)
     for param, grad in zip(model.parameters(), expected_grads):
         assert_close(param.grad, grad)
+
+
+@pytest.mark.timeout(30)
+def test_keyboard_interrupt_in_a_stage_stops_every_worker() -> None:
+    class Interrupt(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            raise KeyboardInterrupt
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), Interrupt(), nn.Linear(4, 4))
+    pipe = GPipe(model, [1, 1, 1, 1], chunks=4)
+    with pytest.raises(KeyboardInterrupt):
+        pipe.train_step(torch.randn(8, 4), torch.randn(8, 4), F.mse_loss)
+    assert not [t for t in threading.enumerate() if t.name.startswith("gpipe-")]
+    # the failed step ran no action after the interrupt reached the others
+    ran = [len(events) for events in pipe.timeline.events]
+    assert ran[3] == 0 and sum(ran) < 3 * 4

@@ -72,6 +72,7 @@ class Step:
         self.origin_ns = time.perf_counter_ns()
         self._workers = [StageWorker(self, d) for d in range(len(stages.devices))]
         self._error: BaseException | None = None
+        self.failed = False  # set at the first failure: workers stop before their next action
         self._error_lock = threading.Lock()
 
     def run(self, actions: Sequence[Sequence[Action]]) -> None:
@@ -89,17 +90,27 @@ class Step:
         """
         threads = [
             threading.Thread(
-                target=self._work, args=(self._workers[d], actions[d]), name=f"gpipe-device{d}"
+                target=self._work,
+                args=(self._workers[d], actions[d]),
+                name=f"gpipe-device{d}",
+                daemon=True,
             )
             for d in range(1, len(actions))
             if actions[d]
         ]
         for thread in threads:
             thread.start()
-        if actions and actions[0]:
-            self._work(self._workers[0], actions[0])
-        for thread in threads:
-            thread.join()
+        try:
+            if actions and actions[0]:
+                self._work(self._workers[0], actions[0])
+            for thread in threads:
+                thread.join()
+        except BaseException:  # e.g. Ctrl-C while waiting: stop every worker, then leave
+            self.failed = True
+            self.transport.abort()
+            for thread in threads:
+                thread.join()
+            raise
         if self._error is not None:
             self.saved.clear()
             raise self._error
@@ -111,9 +122,9 @@ class Step:
             pass
         except BaseException as exc:
             with self._error_lock:
-                first = self._error is None
-                if first:
+                if self._error is None:
                     self._error = _annotate(exc)
+            self.failed = True
             self.transport.abort()
 
     def timeline(self, schedule: str) -> Timeline:

@@ -14,7 +14,7 @@ from torch import nn
 from gpipe.checkpoint import checkpointed
 from gpipe.randomness import RandomProbe, seeded, stream_seed
 from gpipe.runtime.split_backward import WeightGradient, backward_input, backward_weight
-from gpipe.runtime.transport import ACTIVATION, GRADIENT
+from gpipe.runtime.transport import ACTIVATION, GRADIENT, Aborted
 from gpipe.schedule.action import BACKWARD, FORWARD, Action
 from gpipe.structure import leaves, map_tensors
 from gpipe.timeline import Event
@@ -142,6 +142,8 @@ class StageWorker:
         )
         with on_device:
             for action in actions:
+                if self.step.failed:
+                    raise Aborted
                 try:
                     perform.get(action.kind, self.weight)(action)
                 except Exception as exc:
