@@ -39,13 +39,14 @@ def _stage(
     batch: tuple[torch.Tensor, torch.Tensor],
     loss_fn: Callable,
     steps: int,
+    threads: int,
     results: Any,
 ) -> None:
     from torch.distributed import pipelining
 
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads)
     dist.init_process_group(
         "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120)
     )
@@ -61,7 +62,9 @@ def _stage(
         for _ in range(steps + 1):  # the first step warms up
             dist.barrier()
             began = time.perf_counter()
-            if rank == 0:
+            if world == 1:
+                runner.step(x, target=target, losses=[])
+            elif rank == 0:
                 runner.step(x)
             elif rank == world - 1:
                 runner.step(target=target, losses=[])
@@ -87,13 +90,18 @@ def step_times(
     loss_fn: Callable,
     steps: int = 5,
     timeout: float = 300.0,
+    threads: int | None = None,
 ) -> list[float]:
     """Per-step seconds of torch.distributed.pipelining running ``schedule`` on the model.
+
+    Each stage process uses ``threads`` intra-op threads (default: this process's count,
+    so both sides compute alike).
 
     Raises:
         RuntimeError: a stage process failed or the run did not finish within ``timeout``.
     """
     world = len(balance)
+    threads = threads or torch.get_num_threads()
     context = mp.get_context("spawn")
     results = context.SimpleQueue()
     port = free_port()
@@ -112,6 +120,7 @@ def step_times(
                 batch,
                 loss_fn,
                 steps,
+                threads,
                 results,
             ),
             daemon=True,
