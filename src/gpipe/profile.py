@@ -7,7 +7,7 @@ import statistics
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -46,13 +46,16 @@ class Profile:
         forward: forward time.
         backward: backward time (input and weight gradients); 0 if nothing is differentiable.
         output_bytes: bytes of the tensors the layer returns.
-        activation_bytes: bytes autograd saves for the layer's backward, once per storage,
-            the layer's own parameters and buffers excluded. Counted for the layer alone, so
-            a tensor two adjacent layers both save (a ReLU's output that the next Linear saves
-            as its input) is in both entries: a stage's sum is an upper bound.
+        activation_bytes: bytes autograd saves for backward that this layer is the first to
+            save, once per storage, parameters and buffers excluded. The layers run as one
+            chain, so a tensor two neighbours both save (a Tanh's output that the next Linear
+            saves as its input) counts once, for the Tanh: the entries add up.
         parameter_bytes: bytes of the layer's parameters.
         gradient_bytes: bytes of the gradients of its trainable parameters.
         optimizer_bytes: bytes of optimizer state for its trainable parameters.
+        input_bytes: bytes of the tensors the layer receives (a stage starting here keeps them
+            for its backward).
+        saved_input_bytes: the part of ``activation_bytes`` that is the layer's own input.
     """
 
     names: list[str]
@@ -63,11 +66,35 @@ class Profile:
     parameter_bytes: list[int]
     gradient_bytes: list[int]
     optimizer_bytes: list[int]
+    input_bytes: list[int] = field(default_factory=list)
+    saved_input_bytes: list[int] = field(default_factory=list)
 
     @property
     def layers(self) -> int:
         """How many layers were profiled."""
         return len(self.names)
+
+    def stage_activation_bytes(self, start: int, end: int) -> int:
+        """What one micro-batch of a stage holding layers ``start..end-1`` keeps for backward.
+
+        The stage input (the pipeline keeps it) plus every activation its layers save, each
+        storage once: exactly what the runtime counts in ``Event.memory``.
+
+        Args:
+            start: the stage's first layer.
+            end: one past its last layer.
+
+        Returns:
+            Bytes.
+
+        Raises:
+            ValueError: an empty or out-of-range layer span.
+        """
+        if not 0 <= start < end <= self.layers:
+            raise ValueError(f"need 0 <= start < end <= {self.layers}, got {start=}, {end=}")
+        saved = sum(self.activation_bytes[start:end])
+        # NOTE: a first layer that saves its input (Linear) holds the stage input already.
+        return self.input_bytes[start] + saved - self.saved_input_bytes[start]
 
     def costs(self, kind: str = "time") -> list[float]:
         """One cost per layer, ready for :func:`gpipe.balance.balance_costs`.
@@ -174,6 +201,8 @@ def profile(
     """Measure every layer of ``module`` on ``sample``, one layer at a time.
 
     The sample flows as in ``nn.Sequential``: each layer's output is the next layer's input.
+    Saved bytes come from one more pass through all layers as one graph, as a stage runs, so
+    a tensor that neighbouring layers both save counts once, for the first (they add up).
     Each layer runs forward on a fresh copy of its input (floating tensors requiring grad),
     then backward from a gradient of ones for every floating output that requires grad. The
     model runs in train mode; afterwards its modes, parameter gradients, buffers (BatchNorm
@@ -215,16 +244,20 @@ def profile(
         for layer in module:
             cost, value = _measure(_on_device(layer, device), value, device, repeats, warmup)
             measured.append(cost)
+        layers = [_on_device(layer, device) for layer in module]
+        chain = _attribute(layers, map_tensors(lambda t: t.detach().to(device), sample))
 
     return Profile(
         names=[type(layer).__name__ for layer in module],
         forward=[c.forward for c in measured],
         backward=[c.backward for c in measured],
         output_bytes=[c.output_bytes for c in measured],
-        activation_bytes=[c.saved_bytes for c in measured],
+        activation_bytes=chain.saved,
         parameter_bytes=[c.parameter_bytes for c in measured],
         gradient_bytes=[c.trainable_bytes for c in measured],
         optimizer_bytes=[factor * c.trainable_bytes for c in measured],
+        input_bytes=chain.inputs,
+        saved_input_bytes=chain.saved_inputs,
     )
 
 
@@ -243,7 +276,6 @@ class _LayerCost:
     forward: float
     backward: float
     output_bytes: int
-    saved_bytes: int
     parameter_bytes: int
     trainable_bytes: int
 
@@ -252,15 +284,15 @@ class _SavedBytes:
     """A saved-tensor hook pair that adds up storages autograd keeps, each counted once."""
 
     def __init__(self, exclude: set[int]) -> None:
-        self._seen = set(exclude)
+        self.seen = set(exclude)
         self.nbytes = 0
 
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
         storage = tensor.untyped_storage()
         # NOTE: by storage, not by tensor: a view (weight.t(), x[0]) keeps its whole storage
         # alive, and one storage saved twice costs its bytes once.
-        if storage.data_ptr() not in self._seen:
-            self._seen.add(storage.data_ptr())
+        if storage.data_ptr() not in self.seen:
+            self.seen.add(storage.data_ptr())
             self.nbytes += storage.nbytes()
         return tensor
 
@@ -269,17 +301,58 @@ class _SavedBytes:
         return tensor
 
 
+@dataclass(frozen=True)
+class _Chain:
+    saved: list[int]
+    inputs: list[int]
+    saved_inputs: list[int]
+
+
+def _attribute(layers: list[nn.Module], sample: Any) -> _Chain:
+    """Saved bytes per layer when the layers run as one graph, each storage to its first saver.
+
+    This is how a stage runs in the pipeline, so per-layer numbers add up to the stage's.
+    """
+    # Parameters saved for backward (Linear saves its weight) are not activations.
+    own = [t for layer in layers for t in (*layer.parameters(), *layer.buffers())]
+    counter = _SavedBytes({t.untyped_storage().data_ptr() for t in own})
+    saved, inputs, saved_inputs = [], [], []
+    value = _fresh(sample)
+    # NOTE: every output stays referenced, so no counted storage is freed (a graph cut by an
+    # argmax would be) and its address reused by a later tensor that would then go uncounted.
+    kept = [value]
+    with (
+        torch.enable_grad(),
+        torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack),
+    ):
+        for layer in layers:
+            given = {
+                leaf.untyped_storage().data_ptr(): leaf
+                for leaf in leaves(value)
+                if isinstance(leaf, torch.Tensor)
+            }
+            before, seen_before = counter.nbytes, set(counter.seen)
+            value = layer(value)
+            kept.append(value)
+            saved.append(counter.nbytes - before)
+            inputs.append(sum(_nbytes(t) for t in given.values()))
+            saved_inputs.append(
+                sum(
+                    t.untyped_storage().nbytes()
+                    for ptr, t in given.items()
+                    if ptr in counter.seen and ptr not in seen_before
+                )
+            )
+    return _Chain(saved, inputs, saved_inputs)
+
+
 def _measure(
     layer: nn.Module, value: Any, device: torch.device, repeats: int, warmup: int
 ) -> tuple[_LayerCost, Any]:
     """One layer's cost on input ``value``, and its output (detached) for the next layer."""
     params = list({id(p): p for p in layer.parameters()}.values())
-    own = [*params, *layer.buffers()]
-    # Parameters saved for backward (Linear saves its weight) are not activations.
-    counter = _SavedBytes({t.untyped_storage().data_ptr() for t in own})
     inputs = _fresh(value)
-    with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
-        output = layer(inputs)
+    output = layer(inputs)
     output_bytes = sum(
         leaf.numel() * leaf.element_size()
         for leaf in {id(x): x for x in leaves(output) if isinstance(x, torch.Tensor)}.values()
@@ -318,7 +391,6 @@ def _measure(
         forward=statistics.median(forward),
         backward=statistics.median(backward),
         output_bytes=output_bytes,
-        saved_bytes=counter.nbytes,
         parameter_bytes=sum(_nbytes(p) for p in params),
         trainable_bytes=sum(_nbytes(p) for p in params if p.requires_grad),
     )

@@ -1,0 +1,716 @@
+"""Plan a pipeline: the fastest stages, chunks, checkpointing and schedule that fit in memory.
+
+The planner profiles the model once per micro-batch size, balances every stage count with
+the exact balancer on measured time, simulates every schedule with the measured per-stage
+costs, predicts each device's peak memory from the same action order the runtime follows,
+and ranks what fits::
+
+    report = plan(model, sample, batch_size=64, devices=["cuda:0", "cuda:1"],
+                  memory_per_device="12GB", optimizer="adam")
+    print(report)
+    pipe = GPipe.from_plan(model, report.best)
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import itertools
+import math
+import re
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, overload
+
+import torch
+from torch import nn
+
+from gpipe.balance import balance_costs
+from gpipe.checkpoint import check_checkpoint, checkpointed
+from gpipe.profile import Profile, _format_bytes, _fresh, _on_device, _preserved, profile
+from gpipe.schedule import SCHEDULES, Schedule, make_schedule
+from gpipe.schedule.action import BACKWARD, FORWARD
+from gpipe.simulate import Costs, simulate
+from gpipe.structure import leaves, map_tensors
+
+__all__ = ["Plan", "PlanReport", "Rejection", "add_arguments", "parse_bytes", "plan", "run"]
+
+DEFAULT_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+DEFAULT_CHECKPOINTS = ("never", "except_last", "always")
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One way to run the model as a pipeline, with what the planner predicts for it.
+
+    Attributes:
+        stages: devices the pipeline uses (the first ``stages`` of those given).
+        chunks: micro-batches per mini-batch.
+        checkpoint: "never", "except_last" or "always".
+        schedule: the schedule's name.
+        virtual_stages: model stages per device (2 for "interleaved", else 1).
+        balance: layers per model stage (``stages * virtual_stages`` entries).
+        devices: one device per pipeline stage.
+        predicted_step: seconds one training step takes, as simulated.
+        bubble: the idle fraction of the simulated step.
+        peak_memory: bytes per device at its peak: parameters, gradients and optimizer state
+            of its stages, plus ``activation_memory``.
+        activation_memory: bytes per device held for backward at its peak (what
+            ``GPipe.timeline.peak_memory`` measures).
+    """
+
+    stages: int
+    chunks: int
+    checkpoint: str
+    schedule: str
+    virtual_stages: int
+    balance: list[int]
+    devices: list[str]
+    predicted_step: float
+    bubble: float
+    peak_memory: list[int]
+    activation_memory: list[int] = field(default_factory=list)
+
+    def pipe_kwargs(self) -> dict[str, Any]:
+        """The keyword arguments of :class:`gpipe.GPipe` that build this plan's pipe."""
+        return {
+            "balance": list(self.balance),
+            "devices": list(self.devices),
+            "chunks": self.chunks,
+            "checkpoint": self.checkpoint,
+            "schedule": self.schedule,
+            "virtual_stages": self.virtual_stages,
+        }
+
+    def describe(self) -> str:
+        """A short name: ``1f1b K=4 M=8 checkpoint=never``."""
+        v = f" v={self.virtual_stages}" if self.virtual_stages > 1 else ""
+        return f"{self.schedule} K={self.stages}{v} M={self.chunks} checkpoint={self.checkpoint}"
+
+
+@dataclass(frozen=True)
+class Rejection:
+    """A candidate the planner did not recommend, and why."""
+
+    plan: Plan
+    reason: str
+
+
+class PlanReport(Sequence[Plan]):
+    """The best plans, fastest first, and every other candidate with the reason it lost.
+
+    Indexes like a list of :class:`Plan`; ``best`` is ``report[0]``.
+    """
+
+    def __init__(
+        self, plans: list[Plan], rejected: list[Rejection], memory_per_device: int | None
+    ) -> None:
+        self.plans = plans
+        self.rejected = rejected
+        self.memory_per_device = memory_per_device
+
+    @property
+    def best(self) -> Plan:
+        """The fastest plan that fits."""
+        return self.plans[0]
+
+    def __len__(self) -> int:
+        return len(self.plans)
+
+    @overload
+    def __getitem__(self, index: int) -> Plan: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[Plan]: ...
+
+    def __getitem__(self, index: int | slice) -> Plan | list[Plan]:
+        return self.plans[index]
+
+    def __iter__(self) -> Iterator[Plan]:
+        return iter(self.plans)
+
+    def __str__(self) -> str:
+        header = (
+            "#",
+            "schedule",
+            "K",
+            "v",
+            "M",
+            "checkpoint",
+            "balance",
+            "step",
+            "bubble",
+            "peak memory per device",
+        )
+        rows = [header]
+        for rank, p in enumerate(self.plans, 1):
+            rows.append(
+                (
+                    str(rank),
+                    p.schedule,
+                    str(p.stages),
+                    str(p.virtual_stages),
+                    str(p.chunks),
+                    p.checkpoint,
+                    ",".join(map(str, p.balance)),
+                    f"{p.predicted_step * 1e3:.2f} ms",
+                    f"{p.bubble:.3f}",
+                    " ".join(_format_bytes(b) for b in p.peak_memory),
+                )
+            )
+        widths = [max(len(row[c]) for row in rows) for c in range(len(header))]
+        lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+        budget = "none" if self.memory_per_device is None else _format_bytes(self.memory_per_device)
+        over = [r for r in self.rejected if r.reason.startswith("over")]
+        lines.append(
+            f"memory budget per device: {budget}; {len(self.plans) + len(self.rejected)} "
+            f"candidates, {len(over)} over the budget, {len(self.rejected) - len(over)} slower"
+        )
+        shown = over[:3] + [r for r in self.rejected if not r.reason.startswith("over")][:3]
+        for r in shown:
+            lines.append(f"  rejected {r.plan.describe()}: {r.reason}")
+        return "\n".join(lines)
+
+
+def plan(
+    module: nn.Sequential,
+    sample: Any,
+    batch_size: int,
+    devices: Sequence[torch.device | str | int],
+    memory_per_device: int | str | None = None,
+    *,
+    optimizer: str | type[torch.optim.Optimizer] | None = None,
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+    target: Any = None,
+    schedules: Sequence[str] = DEFAULT_SCHEDULES,
+    chunks: Sequence[int] | None = None,
+    checkpoints: Sequence[str] = DEFAULT_CHECKPOINTS,
+    top: int = 5,
+    progress: bool = True,
+    repeats: int = 5,
+) -> PlanReport:
+    """Search pipeline configurations and rank those that fit by simulated step time.
+
+    Candidates: every stage count from 1 to ``len(devices)`` (on the first K devices), every
+    chunk count, checkpoint mode and schedule ("interleaved" with 2 stages per device, when
+    there are at least ``2K`` layers and ``K >= 2``). Each is balanced by the exact balancer
+    on measured forward + backward time, then simulated with per-stage costs from a profile
+    taken at its micro-batch size (each size profiled once, on ``devices[0]``; the devices
+    are assumed alike). A checkpointed micro-batch's backward also pays its forward again.
+    For "zb-h1", W is measured: backward time minus the time of the input gradient alone.
+
+    Memory per device: parameters, gradients and optimizer state of its stages, plus the
+    activations it holds at its peak, found by walking its actions in schedule order: a
+    forward adds the stage's activations (only its input if checkpointed), a backward (or W
+    in split schedules) frees them, and a recomputation holds one micro-batch's full
+    activations while it runs.
+
+    Args:
+        module: the model, an ``nn.Sequential``.
+        sample: example input of any batch size; micro-batches are cut from it (repeating
+            its rows along dim 0 as needed).
+        batch_size: samples per mini-batch.
+        devices: the devices available, one per pipeline stage.
+        memory_per_device: the budget per device, in bytes or as text ("200MB", "8GiB");
+            None for no budget.
+        optimizer: whose state to count ("adam", "sgd", ... or a torch.optim class).
+        loss_fn: ``loss_fn(output, target)``: its time and saved tensors count on the last
+            stage. Needs ``target``.
+        target: example targets, cut like ``sample``.
+        schedules: schedules to consider.
+        chunks: chunk counts to consider; by default every divisor of ``batch_size``.
+        checkpoints: checkpoint modes to consider.
+        top: how many plans the report ranks; the rest go to ``rejected``.
+        progress: show a progress bar over candidates.
+        repeats: timed runs per layer when profiling.
+
+    Returns:
+        The :class:`PlanReport`: ``.best``, the ranked plans, and ``.rejected``.
+
+    Raises:
+        TypeError: ``module`` is not an ``nn.Sequential``, or a count is not an int.
+        ValueError: ``batch_size < 1``, no devices, an unknown schedule or checkpoint mode,
+            chunk counts outside ``1..batch_size``, ``loss_fn`` without ``target``, or a
+            budget no candidate fits in (the message names the smallest predicted need).
+    """
+    if not isinstance(module, nn.Sequential):
+        raise TypeError(
+            f"plan needs an nn.Sequential, got {type(module).__name__}; wrap the layers: "
+            "nn.Sequential(*layers)"
+        )
+    if len(module) == 0:
+        raise ValueError("plan needs a module with at least one layer, got an empty one")
+    _check_int("batch_size", batch_size)
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1 (samples per mini-batch), got {batch_size}")
+    _check_int("top", top)
+    if top < 1:
+        raise ValueError(f"top must be >= 1, got {top}")
+    if isinstance(devices, (str, torch.device, int)) or not devices:
+        raise ValueError(
+            f"devices must list at least one device, e.g. devices=['cpu'] * 4; got {devices!r}"
+        )
+    names = [
+        str(torch.device("cuda", d) if isinstance(d, int) else torch.device(d)) for d in devices
+    ]
+    budget = None if memory_per_device is None else _budget(memory_per_device)
+    for name in schedules:
+        if name not in SCHEDULES:
+            raise ValueError(f"unknown schedule {name!r}; choose from {sorted(SCHEDULES)}")
+    modes = [check_checkpoint(mode) for mode in checkpoints]
+    if not schedules or not modes:
+        raise ValueError("give at least one schedule and one checkpoint mode")
+    counts = _chunk_counts(batch_size, chunks)
+    if loss_fn is not None and target is None:
+        raise ValueError("loss_fn needs example targets: pass target=<targets like sample's>")
+
+    measure = _Measurements(
+        module,
+        sample,
+        batch_size,
+        names[0],
+        optimizer,
+        loss_fn,
+        target,
+        split="zb-h1" in schedules,
+        repeats=repeats,
+    )
+    layers = len(module)
+    candidates = [
+        (m, k, name, mode)
+        for m in counts
+        for k in range(1, min(len(names), layers) + 1)
+        for name in schedules
+        if not (name == "interleaved" and (k < 2 or 2 * k > layers))
+        for mode in modes
+    ]
+    from tqdm import tqdm
+
+    evaluated = [
+        _evaluate(measure, m, k, name, mode, names[:k])
+        for m, k, name, mode in tqdm(
+            candidates, desc="planning", unit="plan", disable=not progress, file=sys.stderr
+        )
+    ]
+    return _rank(evaluated, budget, top, schedules, modes)
+
+
+def _check_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+
+
+def _budget(value: int | str) -> int:
+    size = parse_bytes(value) if isinstance(value, str) else value
+    if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
+        raise ValueError(
+            f"memory_per_device must be a positive byte count or text like '200MB', got {value!r}"
+        )
+    return size
+
+
+def parse_bytes(text: str) -> int:
+    """Bytes from text: ``"200MB"`` (10**6), ``"1.5GiB"`` (2**30), ``"4096"``.
+
+    Raises:
+        ValueError: text that is not a number with an optional unit.
+    """
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    if not match or match.group(2).lower() not in _UNITS:
+        raise ValueError(
+            f"expected a size like 200MB, 1.5GiB or 4096 (bytes), got {text!r}; units: "
+            "B, KB, MB, GB, TB, KiB, MiB, GiB, TiB"
+        )
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def _chunk_counts(batch_size: int, chunks: Sequence[int] | None) -> list[int]:
+    if chunks is None:
+        return [m for m in range(1, batch_size + 1) if batch_size % m == 0]
+    counts = sorted(set(chunks))
+    if not counts or any(isinstance(m, bool) or not isinstance(m, int) for m in counts):
+        raise TypeError(f"chunks must list ints, got {chunks!r}")
+    if counts[0] < 1 or counts[-1] > batch_size:
+        raise ValueError(f"chunks must be between 1 and batch_size={batch_size}, got {chunks!r}")
+    return counts
+
+
+class _Measurements:
+    """Per micro-batch size, the profile (and W times), each measured once."""
+
+    def __init__(
+        self,
+        module: nn.Sequential,
+        sample: Any,
+        batch_size: int,
+        device: str,
+        optimizer: Any,
+        loss_fn: Any,
+        target: Any,
+        *,
+        split: bool,
+        repeats: int,
+    ) -> None:
+        self.module, self.sample, self.batch_size = module, sample, batch_size
+        self.device, self.optimizer, self.split, self.repeats = device, optimizer, split, repeats
+        self.loss_fn, self.target = loss_fn, target
+        self._profiles: dict[int, tuple[Profile, list[float]]] = {}
+        self._balances: dict[tuple[int, int], list[int]] = {}
+
+    def at(self, chunks: int) -> tuple[Profile, list[float]]:
+        """The profile and per-layer W seconds for the largest micro-batch of ``chunks``."""
+        size = math.ceil(self.batch_size / chunks)
+        if size not in self._profiles:
+            sample = _rows(self.sample, size)
+            model = self.module
+            if self.loss_fn is not None:
+                loss = _LossLayer(self.loss_fn, _rows(self.target, size))
+                model = nn.Sequential(*self.module, loss)
+            measured = profile(
+                model, sample, device=self.device, repeats=self.repeats, optimizer=self.optimizer
+            )
+            weight = [0.0] * measured.layers
+            if self.split:
+                weight = _weight_seconds(model, sample, measured, self.device, self.repeats)
+            if self.loss_fn is not None:
+                measured, weight = _fold_loss(measured, weight)
+            self._profiles[size] = (measured, weight)
+        return self._profiles[size]
+
+    def balance(self, chunks: int, stages: int) -> list[int]:
+        size = math.ceil(self.batch_size / chunks)
+        if (size, stages) not in self._balances:
+            self._balances[size, stages] = balance_costs(self.at(chunks)[0].costs("time"), stages)
+        return self._balances[size, stages]
+
+
+class _LossLayer(nn.Module):
+    """The loss on fixed targets, profiled as if it were one more layer."""
+
+    def __init__(self, loss_fn: Callable[[Any, Any], torch.Tensor], target: Any) -> None:
+        super().__init__()
+        self.loss_fn, self.target = loss_fn, target
+
+    def forward(self, output: Any) -> torch.Tensor:
+        return self.loss_fn(output, self.target)
+
+
+def _rows(value: Any, size: int) -> Any:
+    """``value`` with exactly ``size`` rows along dim 0: repeated or cut, contiguous."""
+
+    def resize(t: torch.Tensor) -> torch.Tensor:
+        if t.dim() == 0 or t.shape[0] == 0:
+            raise ValueError(f"sample tensors need a batch dimension, got shape {tuple(t.shape)}")
+        times = -(-size // t.shape[0])
+        return t.repeat(times, *([1] * (t.dim() - 1)))[:size].clone()
+
+    return map_tensors(resize, value)
+
+
+def _fold_loss(measured: Profile, weight: list[float]) -> tuple[Profile, list[float]]:
+    """The profile with the loss's time and saved bytes charged to the last layer."""
+
+    def fold(values: list[Any]) -> list[Any]:
+        return [*values[:-2], values[-2] + values[-1]]
+
+    return Profile(
+        names=measured.names[:-1],
+        forward=fold(measured.forward),
+        backward=fold(measured.backward),
+        output_bytes=measured.output_bytes[:-1],
+        activation_bytes=fold(measured.activation_bytes),
+        parameter_bytes=measured.parameter_bytes[:-1],
+        gradient_bytes=measured.gradient_bytes[:-1],
+        optimizer_bytes=measured.optimizer_bytes[:-1],
+        input_bytes=measured.input_bytes[:-1],
+        saved_input_bytes=measured.saved_input_bytes[:-1],
+    ), fold(weight)
+
+
+def _weight_seconds(
+    module: nn.Sequential, sample: Any, measured: Profile, device: str, repeats: int
+) -> list[float]:
+    """Per layer, backward time minus the time of the input gradient alone (W, >= 0)."""
+    target = torch.device(device)
+    weight = []
+    with _preserved(module, target):
+        module.train()
+        value = map_tensors(lambda t: t.detach().to(target), sample)
+        for i, layer in enumerate(module):
+            layer = _on_device(layer, target)
+            times = []
+            for _ in range(repeats + 1):
+                inputs = _fresh(value)
+                output = layer(inputs)
+                roots, wanted = _differentiable(output), _differentiable(inputs)
+                start = time.perf_counter()
+                if roots and wanted:
+                    torch.autograd.grad(
+                        roots, wanted, [torch.ones_like(r) for r in roots], allow_unused=True
+                    )
+                if target.type == "cuda":
+                    torch.cuda.synchronize(target)
+                times.append(time.perf_counter() - start)
+            weight.append(max(0.0, measured.backward[i] - statistics.median(times[1:])))
+            value = map_tensors(torch.Tensor.detach, output)
+        for p in module.parameters():
+            p.grad = None
+    return weight
+
+
+def _differentiable(value: Any) -> list[torch.Tensor]:
+    return [t for t in leaves(value) if isinstance(t, torch.Tensor) and t.requires_grad]
+
+
+def _evaluate(
+    measure: _Measurements, chunks: int, stages: int, name: str, mode: str, devices: list[str]
+) -> Plan:
+    v = 2 if name == "interleaved" else 1
+    measured, weight = measure.at(chunks)
+    balance = measure.balance(chunks, stages * v)
+    bounds = [0]
+    for count in balance:
+        bounds.append(bounds[-1] + count)
+    spans = list(itertools.pairwise(bounds))
+    schedule = make_schedule(name, stages, chunks, virtual_stages=v)
+    forward = [sum(measured.forward[a:b]) for a, b in spans]
+    w = [sum(weight[a:b]) if schedule.split_backward else 0.0 for a, b in spans]
+    recomputed = {"always": 1.0, "except_last": (chunks - 1) / chunks, "never": 0.0}[mode]
+    backward = [
+        sum(measured.backward[a:b]) - w_s + recomputed * f
+        for (a, b), w_s, f in zip(spans, w, forward)
+    ]
+    timeline = simulate(schedule, Costs(forward=forward, backward=backward, weight=w))
+    full = [measured.stage_activation_bytes(a, b) for a, b in spans]
+    kept = [measured.input_bytes[a] for a, _ in spans]
+    activations = _activation_peaks(schedule, full, kept, mode)
+    fixed = [0] * stages
+    for s, (a, b) in enumerate(spans):
+        fixed[schedule.placement[s]] += sum(
+            measured.parameter_bytes[a:b]
+            + measured.gradient_bytes[a:b]
+            + measured.optimizer_bytes[a:b]
+        )
+    return Plan(
+        stages=stages,
+        chunks=chunks,
+        checkpoint=mode,
+        schedule=name,
+        virtual_stages=v,
+        balance=list(balance),
+        devices=devices,
+        predicted_step=timeline.makespan,
+        bubble=timeline.bubble,
+        peak_memory=[f + a for f, a in zip(fixed, activations)],
+        activation_memory=activations,
+    )
+
+
+def _activation_peaks(
+    schedule: Schedule, full: list[int], kept: list[int], checkpoint: str
+) -> list[int]:
+    """Per device, the most activation bytes held, walking its actions as the runtime does.
+
+    A forward keeps the stage's activations (``full``), or only its input (``kept``) when the
+    micro-batch is checkpointed; the backward of a checkpointed micro-batch holds its full
+    activations again while it recomputes; B frees, or W in schedules that split them.
+    """
+    frees = "W" if schedule.split_backward else BACKWARD
+    peaks = []
+    for actions in schedule.actions:
+        held = peak = 0
+        for action in actions:
+            s, i = action.stage, action.microbatch
+            again = checkpointed(checkpoint, i, schedule.microbatches)
+            size = kept[s] if again else full[s]
+            if action.kind == FORWARD:
+                held += size
+                peak = max(peak, held)
+            elif action.kind == BACKWARD and again:
+                peak = max(peak, held + full[s] - kept[s])
+            if action.kind == frees:
+                held -= size
+        peaks.append(peak)
+    return peaks
+
+
+def _rank(
+    plans: list[Plan],
+    budget: int | None,
+    top: int,
+    schedules: Sequence[str],
+    modes: Sequence[str],
+) -> PlanReport:
+    def key(p: Plan) -> tuple[float, int, int, int, int]:
+        # NOTE: equal simulated times are common (GPipe and 1F1B take as long); the tie goes
+        # to the plan that holds less, then to the simpler one.
+        return (
+            p.predicted_step,
+            max(p.peak_memory),
+            p.stages,
+            list(schedules).index(p.schedule),
+            list(modes).index(p.checkpoint),
+        )
+
+    fits = sorted((p for p in plans if budget is None or max(p.peak_memory) <= budget), key=key)
+    over = [p for p in plans if budget is not None and max(p.peak_memory) > budget]
+    if not fits:
+        smallest = min(plans, key=lambda p: max(p.peak_memory))
+        assert budget is not None
+        raise ValueError(
+            f"no plan fits in memory_per_device={_format_bytes(budget)}: the smallest "
+            f"predicted need is {_format_bytes(max(smallest.peak_memory))} per device "
+            f"({smallest.describe()}); raise the budget to at least "
+            f"{max(smallest.peak_memory)} bytes, add devices, or use a smaller batch_size"
+        )
+    best = fits[0].predicted_step
+    rejected = [
+        Rejection(
+            p,
+            f"slower: +{(p.predicted_step / best - 1) * 100:.1f}% "
+            f"({p.predicted_step * 1e3:.2f} ms)",
+        )
+        for p in fits[top:]
+    ]
+    for p in sorted(over, key=key):
+        assert budget is not None
+        device = max(range(len(p.peak_memory)), key=lambda d: p.peak_memory[d])
+        excess = p.peak_memory[device] - budget
+        rejected.append(
+            Rejection(p, f"over the memory budget by {_format_bytes(excess)} on device {device}")
+        )
+    rejected.sort(key=lambda r: (not r.reason.startswith("over"), key(r.plan)))
+    return PlanReport(fits[:top], rejected, budget)
+
+
+# -- the `gpipe plan` command ----------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Register the ``gpipe plan`` options."""
+    parser.add_argument(
+        "--model",
+        metavar="MODULE:FACTORY",
+        help="a zero-argument function returning an nn.Sequential, or a "
+        "(model, sample) pair (default: the tiny GPT of gpipe.models)",
+    )
+    parser.add_argument(
+        "--sample-shape",
+        metavar="D1,D2,...",
+        help="shape of one sample (no batch dimension) for a factory that "
+        "returns only the model; the sample is torch.randn(1, D1, D2, ...)",
+    )
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument(
+        "--devices", default=None, help="comma-separated devices (default: cpu,cpu,cpu,cpu)"
+    )
+    group.add_argument("--stages", type=int, default=None, help="K: plan for K cpu devices")
+    parser.add_argument(
+        "--batch-size", type=int, default=16, help="samples per mini-batch (default 16)"
+    )
+    parser.add_argument(
+        "--chunks",
+        default=None,
+        help="comma-separated chunk counts (default: every divisor of the batch size)",
+    )
+    parser.add_argument(
+        "--memory-per-device",
+        default=None,
+        metavar="SIZE",
+        help="memory budget per device, e.g. 200MB or 1.5GiB",
+    )
+    parser.add_argument(
+        "--optimizer",
+        default=None,
+        help="count this optimizer's state (sgd, sgd-momentum, adam, adamw)",
+    )
+    parser.add_argument(
+        "--schedules",
+        default=",".join(DEFAULT_SCHEDULES),
+        help="comma-separated schedules to consider",
+    )
+    parser.add_argument(
+        "--checkpoints",
+        default=",".join(DEFAULT_CHECKPOINTS),
+        help="comma-separated checkpoint modes to consider",
+    )
+    parser.add_argument("--top", type=int, default=5, help="plans to rank (default 5)")
+    parser.add_argument("--repeats", type=int, default=5, help="timed runs per layer")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``gpipe plan``: print the report and a RESULT line; 2 on bad input."""
+    try:
+        model, sample, loss_fn, target = _load_model(args.model, args.sample_shape)
+        if args.stages is not None:
+            devices = ["cpu"] * args.stages
+        else:
+            devices = (args.devices or "cpu,cpu,cpu,cpu").split(",")
+        report = plan(
+            model,
+            sample,
+            args.batch_size,
+            devices,
+            args.memory_per_device,
+            optimizer=args.optimizer,
+            loss_fn=loss_fn,
+            target=target,
+            schedules=args.schedules.split(","),
+            chunks=None if args.chunks is None else [int(c) for c in args.chunks.split(",")],
+            checkpoints=args.checkpoints.split(","),
+            top=args.top,
+            progress=not args.no_progress,
+            repeats=args.repeats,
+        )
+    except (ValueError, TypeError, ImportError, AttributeError) as error:
+        print(f"gpipe plan: error: {error}", file=sys.stderr)
+        return 2
+    best = report.best
+    print(report)
+    print(
+        f"RESULT best_schedule={best.schedule} stages={best.stages} "
+        f"virtual_stages={best.virtual_stages} chunks={best.chunks} "
+        f"checkpoint={best.checkpoint} balance={','.join(map(str, best.balance))} "
+        f"predicted_ms={best.predicted_step * 1e3:.3f} bubble={best.bubble:.4f} "
+        f"peak_memory={max(best.peak_memory)} "
+        f"candidates={len(report) + len(report.rejected)}"
+    )
+    return 0
+
+
+def _load_model(spec: str | None, shape: str | None) -> tuple[nn.Sequential, Any, Any, Any]:
+    """The model, a sample, and a loss and targets (the built-in GPT only)."""
+    if spec is None:
+        from gpipe.models import GPTConfig, gpt, gpt_loss, synthetic_tokens
+
+        config = GPTConfig(layers=4)
+        torch.manual_seed(0)
+        ids, targets = synthetic_tokens(8, config)
+        return gpt(config), ids, gpt_loss, targets
+    path, _, name = spec.partition(":")
+    if not path or not name:
+        raise ValueError(f"--model must be module:function, e.g. mypkg.models:build; got {spec!r}")
+    made = getattr(importlib.import_module(path), name)()
+    if isinstance(made, tuple):
+        model, sample = made
+    else:
+        if shape is None:
+            raise ValueError(f"{spec} returns only a model: pass --sample-shape, e.g. 512")
+        model, sample = made, torch.randn(1, *(int(d) for d in shape.split(",")))
+    return model, sample, None, None

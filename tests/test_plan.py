@@ -1,0 +1,239 @@
+"""The planner: known answers on latency stages, the memory budget, prediction vs the runtime."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import make_mlp, reference_step
+from gpipe import GPipe
+from gpipe.cli import main
+from gpipe.plan import Plan, PlanReport, parse_bytes, plan
+from gpipe.profile import profile
+
+FLOAT = 4
+
+
+class _RowDelay(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, forward: float, backward: float) -> torch.Tensor:
+        ctx.backward = backward
+        time.sleep(forward)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        time.sleep(ctx.backward)
+        return grad, None, None
+
+
+class RowLatency(nn.Module):
+    """An accelerator-like layer: time grows with the rows of the micro-batch."""
+
+    def __init__(self, forward_ms_per_row: float = 0.5) -> None:
+        super().__init__()
+        self.per_row = forward_ms_per_row / 1e3
+        self.scale = nn.Parameter(torch.ones(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        delay = self.per_row * x.shape[0]
+        return _RowDelay.apply(x, delay, 2 * delay) * self.scale
+
+
+def squared_error(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return (output - target).pow(2).mean()
+
+
+def quiet_plan(module: nn.Sequential, sample: Any, batch: int, devices: int, *args: Any,
+               **kwargs: Any) -> PlanReport:
+    kwargs.setdefault("progress", False)
+    kwargs.setdefault("repeats", 2)
+    return plan(module, sample, batch, ["cpu"] * devices, *args, **kwargs)
+
+
+def test_equal_latency_stages_use_every_device_and_the_most_chunks() -> None:
+    model = nn.Sequential(*[RowLatency() for _ in range(4)])
+    report = quiet_plan(model, torch.randn(8, 3), 8, 4, schedules=("gpipe", "1f1b"),
+                        checkpoints=("never",), top=100)
+    best = report.best
+    assert (best.stages, best.balance, best.chunks) == (4, [1, 1, 1, 1], 8)
+    assert best.devices == ["cpu"] * 4
+    by_chunks = {p.chunks: p.predicted_step for p in report if p.stages == 4
+                 and p.schedule == best.schedule}
+    assert by_chunks[8] < by_chunks[4] < by_chunks[2] < by_chunks[1]
+    # Fill-drain with equal stages: idle (K-1)/(M+K-1) of the time.
+    assert best.bubble == pytest.approx(3 / 11, abs=0.05)
+    assert [p.predicted_step for p in report] == sorted(p.predicted_step for p in report)
+
+
+def test_a_budget_that_excludes_never_picks_checkpointing_and_names_the_budget() -> None:
+    model = make_mlp(layers=4, width=32).float()
+    x = torch.randn(64, 32)
+    kwargs: dict[str, Any] = {"chunks": [4], "schedules": ("gpipe",), "top": 10}
+    free = quiet_plan(model, x, 64, 1, **kwargs)
+    need = {p.checkpoint: max(p.peak_memory) for p in free}
+    assert need["always"] == need["except_last"] < need["never"]
+    budget = (need["except_last"] + need["never"]) // 2
+
+    report = quiet_plan(model, x, 64, 1, budget, **kwargs)
+    assert report.best.checkpoint in ("except_last", "always")
+    assert all(p.checkpoint != "never" for p in report)
+    [rejected] = report.rejected
+    excess = need["never"] - budget
+    assert rejected.plan.checkpoint == "never"
+    assert rejected.reason == f"over the memory budget by {excess / 1024:.1f} KiB on device 0"
+    assert "over the memory budget" in str(report)
+
+
+def test_peak_memory_adds_parameters_gradients_and_optimizer_state() -> None:
+    model = make_mlp(layers=2, width=8).float()
+    x = torch.randn(4, 8)
+    kwargs: dict[str, Any] = {"chunks": [1], "schedules": ("gpipe",), "checkpoints": ("never",)}
+    sgd = quiet_plan(model, x, 4, 1, **kwargs).best
+    adam = quiet_plan(model, x, 4, 1, optimizer="adam", **kwargs).best
+    params = 2 * (8 * 8 + 8) * FLOAT
+    assert sgd.peak_memory[0] - sgd.activation_memory[0] == 2 * params  # weights + gradients
+    assert adam.peak_memory[0] - adam.activation_memory[0] == 4 * params
+
+
+def test_the_profile_counts_a_tensor_two_neighbours_save_once() -> None:
+    # Linear saves its input, Tanh its output, which the next Linear saves as its input.
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    measured = profile(model, torch.randn(2, 8), repeats=1, warmup=0)
+    assert measured.activation_bytes == [2 * 8 * FLOAT, 2 * 16 * FLOAT, 0]
+    assert measured.input_bytes == [2 * 8 * FLOAT, 2 * 16 * FLOAT, 2 * 16 * FLOAT]
+    # A stage starting at the second Linear still keeps its input.
+    assert measured.stage_activation_bytes(2, 3) == 2 * 16 * FLOAT
+    assert measured.stage_activation_bytes(0, 3) == (2 * 8 + 2 * 16) * FLOAT
+
+
+def test_predicted_activation_memory_matches_the_runtime() -> None:
+    model = make_mlp(layers=6, width=16).float()
+    x, y = torch.randn(16, 16), torch.randn(16, 16)
+    report = quiet_plan(model, x, 16, 3, loss_fn=squared_error, target=y, chunks=[2, 4],
+                        top=500)
+    picked = {(p.schedule, p.checkpoint): p for p in report if p.stages == 3}
+    assert len(picked) == 12
+    for p in picked.values():
+        pipe = GPipe.from_plan(model, p)
+        pipe.train_step(x, y, squared_error)
+        for predicted, measured in zip(p.activation_memory, pipe.timeline.peak_memory):
+            assert abs(predicted - measured) <= 0.10 * measured, p.describe()
+    model.zero_grad(set_to_none=True)
+
+
+def test_from_plan_trains_like_the_plain_model() -> None:
+    model = make_mlp(layers=4, width=6)
+    x, y = torch.randn(8, 6, dtype=torch.float64), torch.randn(8, 6, dtype=torch.float64)
+    best = quiet_plan(model, x, 8, 2, schedules=("1f1b",), chunks=[4]).best
+    assert set(best.pipe_kwargs()) == {"balance", "devices", "chunks", "checkpoint",
+                                       "schedule", "virtual_stages"}
+    _, loss, grads, _ = reference_step(model, x, y, squared_error)
+    pipe = GPipe.from_plan(model, best)
+    assert (pipe.chunks, pipe.schedule) == (4, "1f1b")
+    assert torch.allclose(pipe.train_step(x, y, squared_error), loss)
+    for param, grad in zip(model.parameters(), grads):
+        assert torch.allclose(param.grad, grad)
+
+
+def test_interleaved_needs_two_layers_per_device() -> None:
+    report = quiet_plan(make_mlp(layers=2, width=4).float(), torch.randn(4, 4), 4, 3,
+                        schedules=("interleaved",), checkpoints=("never",), top=100)
+    assert {(p.stages, p.virtual_stages, len(p.balance)) for p in report} == {(2, 2, 4)}
+
+
+def test_report_table_and_plan_names() -> None:
+    report = quiet_plan(make_mlp(layers=2, width=4).float(), torch.randn(4, 4), 4, 2, top=2)
+    lines = str(report).splitlines()
+    assert lines[0].split()[:4] == ["#", "schedule", "K", "v"]
+    assert lines[1].startswith("1") and lines[2].startswith("2")
+    assert "slower: +" in str(report)
+    assert len(report) == 2 and report[0] is report.best
+    assert isinstance(report.best, Plan)
+    assert report.best.describe().startswith(report.best.schedule)
+
+
+@pytest.mark.parametrize(
+    ("text", "size"),
+    [("4096", 4096), ("200MB", 200_000_000), ("1.5GiB", 3 * 2**29), ("64 kib", 65536)],
+)
+def test_sizes_parse_with_decimal_and_binary_units(text: str, size: int) -> None:
+    assert parse_bytes(text) == size
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"batch_size": 0}, ValueError, "batch_size must be >= 1"),
+        ({"batch_size": 2.0}, TypeError, "batch_size must be an int"),
+        ({"devices": []}, ValueError, r"devices=\['cpu'\] \* 4"),
+        ({"memory_per_device": "lots"}, ValueError, "like 200MB"),
+        ({"schedules": ("fast",)}, ValueError, "unknown schedule 'fast'"),
+        ({"checkpoints": ("sometimes",)}, ValueError, "checkpoint must be one of"),
+        ({"chunks": [16]}, ValueError, "between 1 and batch_size=8"),
+        ({"loss_fn": squared_error}, ValueError, "pass target="),
+        ({"module": nn.Linear(4, 4)}, TypeError, r"nn.Sequential\(\*layers\)"),
+        ({"memory_per_device": 64}, ValueError, "smallest predicted need is"),
+    ],
+)
+def test_bad_inputs_are_rejected_naming_the_fix(
+    kwargs: dict[str, Any], error: type[Exception], message: str
+) -> None:
+    call: dict[str, Any] = {
+        "module": make_mlp(layers=2, width=4),
+        "sample": torch.randn(8, 4, dtype=torch.float64),
+        "batch_size": 8,
+        "devices": ["cpu", "cpu"],
+        "progress": False,
+        "repeats": 1,
+    }
+    call.update(kwargs)
+    with pytest.raises(error, match=message):
+        plan(**call)
+
+
+def result_fields(output: str) -> dict[str, str]:
+    last = output.strip().splitlines()[-1]
+    assert last.startswith("RESULT ")
+    return dict(field.split("=", 1) for field in last.split()[1:])
+
+
+def test_cli_plans_the_tiny_gpt_and_prints_the_result_line(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    code = main(["plan", "--stages", "2", "--batch-size", "4", "--schedules", "gpipe,1f1b",
+                 "--repeats", "1", "--memory-per-device", "64MiB", "--no-progress"])
+    out = capsys.readouterr().out
+    assert code == 0
+    fields = result_fields(out)
+    assert fields["best_schedule"] in ("gpipe", "1f1b")
+    assert fields["checkpoint"] in ("never", "except_last", "always")
+    assert 1 <= int(fields["stages"]) <= 2 and 4 % int(fields["chunks"]) == 0
+    assert float(fields["predicted_ms"]) > 0
+    assert 0 < int(fields["peak_memory"]) <= 64 * 2**20
+    assert "memory budget per device: 64.0 MiB" in out
+
+
+def test_cli_plans_a_users_factory(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "user_models.py").write_text(
+        "from torch import nn\n"
+        "def build():\n"
+        "    return nn.Sequential(nn.Linear(12, 12), nn.ReLU(), nn.Linear(12, 2))\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    code = main(["plan", "--model", "user_models:build", "--sample-shape", "12",
+                 "--devices", "cpu,cpu", "--batch-size", "4", "--repeats", "1",
+                 "--schedules", "gpipe", "--no-progress"])
+    assert code == 0
+    assert result_fields(capsys.readouterr().out)["best_schedule"] == "gpipe"
+
+    code = main(["plan", "--model", "user_models:build", "--no-progress"])
+    assert code == 2
+    assert "--sample-shape" in capsys.readouterr().err
