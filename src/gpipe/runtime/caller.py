@@ -1,0 +1,121 @@
+"""The caller's side of a step: micro-batches in, and the outputs joined to the caller's graph.
+
+Stage 0 receives each micro-batch cut from the caller's graph; its input gradients are
+carried back into the caller's tensors afterwards. For ``pipe(x)``, the last stage's outputs
+pass through :class:`PipelineBackward`, so the caller's ``loss.backward()`` runs the pipelined
+backward.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from gpipe.runtime.step import Step
+from gpipe.runtime.transport import GRADIENT
+from gpipe.schedule.action import Schedule
+from gpipe.structure import leaves, map_tensors
+
+__all__ = ["PipelineBackward", "backward_into_input", "to_stage"]
+
+
+def to_stage(microbatch: Any) -> Any:
+    """What stage 0 receives: the micro-batch cut from the caller's graph."""
+    return map_tensors(lambda t: t.detach().requires_grad_(t.requires_grad), microbatch)
+
+
+def _input_leaves(microbatch: Any) -> list[torch.Tensor]:
+    return [
+        leaf for leaf in leaves(microbatch) if isinstance(leaf, torch.Tensor) and leaf.requires_grad
+    ]
+
+
+def backward_into_input(step: Step, microbatches: list[Any]) -> None:
+    """Carry stage 0's input gradients on into the caller's tensors (if they want them)."""
+    roots, grads = [], []
+    for i, mb in enumerate(microbatches):
+        if not _input_leaves(mb):
+            continue
+        received = step.transport.collect((GRADIENT, -1, i))
+        for leaf, grad in zip(leaves(mb), received):
+            if grad is not None and isinstance(leaf, torch.Tensor) and leaf.requires_grad:
+                roots.append(leaf)
+                grads.append(grad.to(leaf.device))
+    if roots:
+        torch.autograd.backward(roots, grads)
+
+
+class PipelineBackward(torch.autograd.Function):
+    """Joins the pipeline to the caller's graph: its backward runs the pipelined backward.
+
+    The forward passes the last stage's outputs through; when autograd reaches it with the
+    output gradients, the backward hands them to the last stage, runs every stage's backward
+    on its own worker, and returns the gradients of the caller's inputs.
+    """
+
+    @staticmethod
+    def connect(
+        step: Step, backward: Schedule, microbatches: list[Any], outputs: list[Any]
+    ) -> list[Any]:
+        out_flat = [pytree.tree_flatten(out) for out in outputs]
+        differentiable = [
+            [
+                isinstance(leaf, torch.Tensor) and (leaf.is_floating_point() or leaf.is_complex())
+                for leaf in flat
+            ]
+            for flat, _ in out_flat
+        ]
+        inputs = [_input_leaves(mb) for mb in microbatches]
+        masks = [
+            [isinstance(leaf, torch.Tensor) and leaf.requires_grad for leaf in leaves(mb)]
+            for mb in microbatches
+        ]
+        tensors = [t for group in inputs for t in group]
+        tensors += [
+            leaf.detach()
+            for (flat, _), mask in zip(out_flat, differentiable)
+            for leaf, keep in zip(flat, mask)
+            if keep
+        ]
+        # NOTE: a phony input that requires grad makes the outputs require grad even when
+        # neither the caller's input nor the passed-through outputs do.
+        phony = torch.empty(0, requires_grad=True)
+        meta = (step, backward, inputs, masks, differentiable)
+        results = iter(PipelineBackward.apply(meta, phony, *tensors))
+        connected = []
+        for (flat, spec), mask in zip(out_flat, differentiable):
+            joined = [next(results) if keep else leaf for leaf, keep in zip(flat, mask)]
+            connected.append(pytree.tree_unflatten(joined, spec))
+        return connected
+
+    @staticmethod
+    def forward(ctx: Any, meta: Any, phony: torch.Tensor, *tensors: torch.Tensor) -> Any:
+        _, _, inputs, _, _ = meta
+        ctx.meta = meta
+        ctx.set_materialize_grads(False)
+        n_inputs = sum(len(group) for group in inputs)
+        return tuple(t.view_as(t) for t in tensors[n_inputs:])
+
+    @staticmethod
+    def backward(ctx: Any, *grad_outputs: torch.Tensor | None) -> Any:
+        step, backward, inputs, masks, differentiable = ctx.meta
+        ctx.meta = None  # free the step's saved state once the backward is done
+        last = len(step.stages.modules) - 1
+        grads = iter(grad_outputs)
+        for i, mask in enumerate(differentiable):
+            step.transport.send(
+                (GRADIENT, last, i), [next(grads) if keep else None for keep in mask]
+            )
+        step.run(backward.actions)
+        input_grads: list[torch.Tensor | None] = []
+        for i, (group, mask) in enumerate(zip(inputs, masks)):
+            if not group:
+                continue
+            received = step.transport.collect((GRADIENT, -1, i))
+            chosen = [g for g, wanted in zip(received, mask) if wanted]
+            input_grads += [
+                None if g is None else g.to(leaf.device) for g, leaf in zip(chosen, group)
+            ]
+        return (None, None, *input_grads, *([None] * (len(grad_outputs))))
