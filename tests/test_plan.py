@@ -13,8 +13,8 @@ from torch import nn
 from conftest import make_mlp, reference_step
 from gpipe import GPipe
 from gpipe.cli import main
-from gpipe.plan import Plan, PlanReport, parse_bytes, plan
-from gpipe.profile import profile
+from gpipe.plan import Plan, PlanReport, _host_share, parse_bytes, plan
+from gpipe.profile import Profile, profile
 
 FLOAT = 4
 
@@ -49,8 +49,9 @@ def squared_error(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return (output - target).pow(2).mean()
 
 
-def quiet_plan(module: nn.Sequential, sample: Any, batch: int, devices: int, *args: Any,
-               **kwargs: Any) -> PlanReport:
+def quiet_plan(
+    module: nn.Sequential, sample: Any, batch: int, devices: int, *args: Any, **kwargs: Any
+) -> PlanReport:
     kwargs.setdefault("progress", False)
     kwargs.setdefault("repeats", 2)
     return plan(module, sample, batch, ["cpu"] * devices, *args, **kwargs)
@@ -58,13 +59,15 @@ def quiet_plan(module: nn.Sequential, sample: Any, batch: int, devices: int, *ar
 
 def test_equal_latency_stages_use_every_device_and_the_most_chunks() -> None:
     model = nn.Sequential(*[RowLatency() for _ in range(4)])
-    report = quiet_plan(model, torch.randn(8, 3), 8, 4, schedules=("gpipe", "1f1b"),
-                        checkpoints=("never",), top=100)
+    report = quiet_plan(
+        model, torch.randn(8, 3), 8, 4, schedules=("gpipe", "1f1b"), checkpoints=("never",), top=100
+    )
     best = report.best
     assert (best.stages, best.balance, best.chunks) == (4, [1, 1, 1, 1], 8)
     assert best.devices == ["cpu"] * 4
-    by_chunks = {p.chunks: p.predicted_step for p in report if p.stages == 4
-                 and p.schedule == best.schedule}
+    by_chunks = {
+        p.chunks: p.predicted_step for p in report if p.stages == 4 and p.schedule == best.schedule
+    }
     assert by_chunks[8] < by_chunks[4] < by_chunks[2] < by_chunks[1]
     # Fill-drain with equal stages: idle (K-1)/(M+K-1) of the time.
     assert best.bubble == pytest.approx(3 / 11, abs=0.05)
@@ -115,8 +118,7 @@ def test_the_profile_counts_a_tensor_two_neighbours_save_once() -> None:
 def test_predicted_activation_memory_matches_the_runtime() -> None:
     model = make_mlp(layers=6, width=16).float()
     x, y = torch.randn(16, 16), torch.randn(16, 16)
-    report = quiet_plan(model, x, 16, 3, loss_fn=squared_error, target=y, chunks=[2, 4],
-                        top=500)
+    report = quiet_plan(model, x, 16, 3, loss_fn=squared_error, target=y, chunks=[2, 4], top=500)
     picked = {(p.schedule, p.checkpoint): p for p in report if p.stages == 3}
     assert len(picked) == 12
     for p in picked.values():
@@ -131,8 +133,14 @@ def test_from_plan_trains_like_the_plain_model() -> None:
     model = make_mlp(layers=4, width=6)
     x, y = torch.randn(8, 6, dtype=torch.float64), torch.randn(8, 6, dtype=torch.float64)
     best = quiet_plan(model, x, 8, 2, schedules=("1f1b",), chunks=[4]).best
-    assert set(best.pipe_kwargs()) == {"balance", "devices", "chunks", "checkpoint",
-                                       "schedule", "virtual_stages"}
+    assert set(best.pipe_kwargs()) == {
+        "balance",
+        "devices",
+        "chunks",
+        "checkpoint",
+        "schedule",
+        "virtual_stages",
+    }
     _, loss, grads, _ = reference_step(model, x, y, squared_error)
     pipe = GPipe.from_plan(model, best)
     assert (pipe.chunks, pipe.schedule) == (4, "1f1b")
@@ -142,8 +150,15 @@ def test_from_plan_trains_like_the_plain_model() -> None:
 
 
 def test_interleaved_needs_two_layers_per_device() -> None:
-    report = quiet_plan(make_mlp(layers=2, width=4).float(), torch.randn(4, 4), 4, 3,
-                        schedules=("interleaved",), checkpoints=("never",), top=100)
+    report = quiet_plan(
+        make_mlp(layers=2, width=4).float(),
+        torch.randn(4, 4),
+        4,
+        3,
+        schedules=("interleaved",),
+        checkpoints=("never",),
+        top=100,
+    )
     assert {(p.stages, p.virtual_stages, len(p.balance)) for p in report} == {(2, 2, 4)}
 
 
@@ -206,8 +221,22 @@ def result_fields(output: str) -> dict[str, str]:
 def test_cli_plans_the_tiny_gpt_and_prints_the_result_line(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    code = main(["plan", "--stages", "2", "--batch-size", "4", "--schedules", "gpipe,1f1b",
-                 "--repeats", "1", "--memory-per-device", "64MiB", "--no-progress"])
+    code = main(
+        [
+            "plan",
+            "--stages",
+            "2",
+            "--batch-size",
+            "4",
+            "--schedules",
+            "gpipe,1f1b",
+            "--repeats",
+            "1",
+            "--memory-per-device",
+            "64MiB",
+            "--no-progress",
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 0
     fields = result_fields(out)
@@ -228,12 +257,57 @@ def test_cli_plans_a_users_factory(
         "    return nn.Sequential(nn.Linear(12, 12), nn.ReLU(), nn.Linear(12, 2))\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
-    code = main(["plan", "--model", "user_models:build", "--sample-shape", "12",
-                 "--devices", "cpu,cpu", "--batch-size", "4", "--repeats", "1",
-                 "--schedules", "gpipe", "--no-progress"])
+    code = main(
+        [
+            "plan",
+            "--model",
+            "user_models:build",
+            "--sample-shape",
+            "12",
+            "--devices",
+            "cpu,cpu",
+            "--batch-size",
+            "4",
+            "--repeats",
+            "1",
+            "--schedules",
+            "gpipe",
+            "--no-progress",
+        ]
+    )
     assert code == 0
     assert result_fields(capsys.readouterr().out)["best_schedule"] == "gpipe"
 
     code = main(["plan", "--model", "user_models:build", "--no-progress"])
     assert code == 2
     assert "--sample-shape" in capsys.readouterr().err
+
+
+def _profile_with_cpu(cores_busy: float, layers: int = 4) -> Profile:
+    zeros = [0] * layers
+    return Profile(
+        names=["Layer"] * layers,
+        forward=[0.001] * layers,
+        backward=[0.002] * layers,
+        output_bytes=zeros,
+        activation_bytes=zeros,
+        parameter_bytes=zeros,
+        gradient_bytes=zeros,
+        optimizer_bytes=zeros,
+        cpu=[0.003 * cores_busy] * layers,
+    )
+
+
+def test_cpu_stages_that_compute_share_the_hosts_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    spans = [(0, 1), (1, 2), (2, 3), (3, 4)]
+    # four stages each keeping 2 cores busy, on a 2-core host: each runs 4x slower
+    assert _host_share(_profile_with_cpu(2.0), spans, ["cpu"] * 4) == pytest.approx(4.0)
+    # stages that wait (an accelerator, a sleep) keep no core busy: no slowdown
+    assert _host_share(_profile_with_cpu(0.05), spans, ["cpu"] * 4) == 1.0
+    # accelerators share nothing
+    assert (
+        _host_share(_profile_with_cpu(2.0), spans, ["cuda:0", "cuda:1", "cuda:2", "cuda:3"]) == 1.0
+    )
+    # two stages on each of two devices (interleaved) still run one at a time per device
+    assert _host_share(_profile_with_cpu(2.0), spans, ["cpu"] * 2) == pytest.approx(2.0)

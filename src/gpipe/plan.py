@@ -17,6 +17,7 @@ import argparse
 import importlib
 import itertools
 import math
+import os
 import re
 import statistics
 import sys
@@ -439,6 +440,7 @@ def _fold_loss(measured: Profile, weight: list[float]) -> tuple[Profile, list[fl
         optimizer_bytes=measured.optimizer_bytes[:-1],
         input_bytes=measured.input_bytes[:-1],
         saved_input_bytes=measured.saved_input_bytes[:-1],
+        cpu=fold(measured.cpu) if measured.cpu else [],
     ), fold(weight)
 
 
@@ -495,6 +497,9 @@ def _evaluate(
         sum(measured.backward[a:b]) - w_s + recomputed * f
         for (a, b), w_s, f in zip(spans, w, forward)
     ]
+    share = _host_share(measured, spans, devices)
+    if share != 1.0:
+        forward, backward, w = ([t * share for t in ts] for ts in (forward, backward, w))
     timeline = simulate(schedule, Costs(forward=forward, backward=backward, weight=w))
     full = [measured.stage_activation_bytes(a, b) for a, b in spans]
     kept = [measured.input_bytes[a] for a, _ in spans]
@@ -519,6 +524,29 @@ def _evaluate(
         peak_memory=[f + a for f, a in zip(fixed, activations)],
         activation_memory=activations,
     )
+
+
+def _host_share(measured: Profile, spans: list[tuple[int, int]], devices: list[str]) -> float:
+    """How much slower each stage runs when "cpu" stages share this host's cores.
+
+    The profile timed each layer alone and noted the CPU time it used: a layer that
+    computes on the CPU keeps up to all intra-op threads busy, one that waits on an
+    accelerator (or sleeps) keeps none. While the pipeline is full every stage runs at
+    once, so when the CPU stages together want more cores than the host has, each runs
+    ``wanted / cores`` times slower. Stages on accelerators compete for nothing.
+    """
+    if not measured.cpu:
+        return 1.0
+    cpu = [0.0] * len(devices)
+    busy = [0.0] * len(devices)
+    for stage, (a, b) in enumerate(spans):  # stage s lives on device s % K
+        device = stage % len(devices)
+        cpu[device] += sum(measured.cpu[a:b])
+        busy[device] += sum(measured.forward[a:b]) + sum(measured.backward[a:b])
+    wanted = sum(
+        c / t for c, t, name in zip(cpu, busy, devices) if name.startswith("cpu") and t > 0
+    )
+    return max(1.0, wanted / (os.cpu_count() or 1))
 
 
 def _activation_peaks(

@@ -56,6 +56,9 @@ class Profile:
         input_bytes: bytes of the tensors the layer receives (a stage starting here keeps them
             for its backward).
         saved_input_bytes: the part of ``activation_bytes`` that is the layer's own input.
+        cpu: CPU seconds the process spent on the layer's forward + backward, all threads
+            together: ``cpu / (forward + backward)`` is how many cores it keeps busy (about
+            0 when it waits on an accelerator, up to the intra-op thread count on a CPU).
     """
 
     names: list[str]
@@ -68,6 +71,7 @@ class Profile:
     optimizer_bytes: list[int]
     input_bytes: list[int] = field(default_factory=list)
     saved_input_bytes: list[int] = field(default_factory=list)
+    cpu: list[float] = field(default_factory=list)
 
     @property
     def layers(self) -> int:
@@ -258,6 +262,7 @@ def profile(
         optimizer_bytes=[factor * c.trainable_bytes for c in measured],
         input_bytes=chain.inputs,
         saved_input_bytes=chain.saved_inputs,
+        cpu=[c.cpu for c in measured],
     )
 
 
@@ -278,6 +283,7 @@ class _LayerCost:
     output_bytes: int
     parameter_bytes: int
     trainable_bytes: int
+    cpu: float
 
 
 class _SavedBytes:
@@ -362,11 +368,13 @@ def _measure(
 
     forward: list[float] = []
     backward: list[float] = []
+    cpu: list[float] = []
     for run in range(warmup + repeats):
         inputs = _fresh(value)
         for p in params:
             p.grad = None
         _synchronize(device)
+        start_cpu = time.process_time()
         start = time.perf_counter()
         output = layer(inputs)
         _synchronize(device)
@@ -383,6 +391,7 @@ def _measure(
         if run >= warmup:
             forward.append(middle - start)
             backward.append(end - begin if roots else 0.0)
+            cpu.append(time.process_time() - start_cpu)
         del inputs, output, roots, grads
     for p in params:
         p.grad = None
@@ -393,6 +402,7 @@ def _measure(
         output_bytes=output_bytes,
         parameter_bytes=sum(_nbytes(p) for p in params),
         trainable_bytes=sum(_nbytes(p) for p in params if p.requires_grad),
+        cpu=statistics.median(cpu),
     )
     return cost, next_value
 
