@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from gpipe import GPipe
-from gpipe.plan import Plan, parse_bytes, plan
+from gpipe.planner import Plan, parse_bytes, plan
 
 
 class _Latency(torch.autograd.Function):

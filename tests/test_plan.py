@@ -13,8 +13,8 @@ from torch import nn
 from conftest import make_mlp, reference_step
 from gpipe import GPipe
 from gpipe.cli import main
-from gpipe.plan import Plan, PlanReport, _host_share, parse_bytes, plan
-from gpipe.profile import Profile, profile
+from gpipe.planner import Plan, PlanReport, _host_share, parse_bytes, plan
+from gpipe.profiler import Profile, profile
 
 FLOAT = 4
 

@@ -27,8 +27,8 @@ if TYPE_CHECKING:
     )
     from gpipe.microbatch import gather, scatter
     from gpipe.pipe import GPipe
-    from gpipe.plan import Plan, plan
-    from gpipe.profile import Profile, profile
+    from gpipe.planner import Plan, PlanReport, plan
+    from gpipe.profiler import Profile, profile
 
 __version__ = "0.1.0"
 
@@ -41,10 +41,11 @@ _LAZY = {
     "balance_by_time": "gpipe.balance",
     "balance_costs": "gpipe.balance",
     "balance_weighted": "gpipe.balance",
-    "Profile": "gpipe.profile",
-    "profile": "gpipe.profile",
-    "Plan": "gpipe.plan",
-    "plan": "gpipe.plan",
+    "Profile": "gpipe.profiler",
+    "profile": "gpipe.profiler",
+    "Plan": "gpipe.planner",
+    "PlanReport": "gpipe.planner",
+    "plan": "gpipe.planner",
 }
 
 __all__ = [
@@ -53,6 +54,7 @@ __all__ = [
     "Event",
     "GPipe",
     "Plan",
+    "PlanReport",
     "Profile",
     "Schedule",
     "ScheduleError",

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from gpipe.profile import profile
+from gpipe.profiler import profile
 
 __all__ = [
     "balance_by_memory",
@@ -213,7 +213,7 @@ def balance_by_memory(
         module: the model.
         sample: one micro-batch of input.
         stages: how many stages to cut into.
-        optimizer: whose state to count, see :func:`gpipe.profile.optimizer_state_factor`.
+        optimizer: whose state to count, see :func:`gpipe.profiler.optimizer_state_factor`.
         kept_microbatches: micro-batches of activations each stage keeps under the schedule:
             one number for all stages, or one per stage (``[M] * K`` for GPipe without
             re-materialization, ``[min(K - k, M) for k in range(K)]`` for 1F1B).

@@ -1,7 +1,7 @@
 """The ``gpipe`` command: simulate a schedule, tabulate bubbles, and the demo and planner.
 
 ``gpipe simulate`` and ``gpipe bubble`` live here. ``gpipe demo`` and ``gpipe plan`` live in
-:mod:`gpipe.demo` and :mod:`gpipe.plan`, each exposing ``add_arguments(parser)`` and
+:mod:`gpipe.demo` and :mod:`gpipe.planner`, each exposing ``add_arguments(parser)`` and
 ``run(args) -> int``; a command whose module is missing is left out of the menu.
 """
 
@@ -16,7 +16,7 @@ from types import ModuleType
 
 __all__ = ["build_parser", "main"]
 
-_PLUGGED_COMMANDS = ("demo", "plan")
+_PLUGGED_COMMANDS = {"demo": "gpipe.demo", "plan": "gpipe.planner"}
 _FORMULA_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 
 
@@ -53,8 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Pipeline-parallel training for PyTorch: schedules, simulator, timelines.",
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name in _PLUGGED_COMMANDS:
-        module = _optional_module(f"gpipe.{name}")
+    for name, module_name in _PLUGGED_COMMANDS.items():
+        module = _optional_module(module_name)
         if module is not None:
             summary = (module.__doc__ or name).strip().splitlines()[0]
             sub = commands.add_parser(name, help=summary, description=summary)

@@ -31,7 +31,7 @@ from torch import nn
 
 from gpipe.balance import balance_costs
 from gpipe.checkpoint import check_checkpoint, checkpointed
-from gpipe.profile import Profile, _format_bytes, _fresh, _on_device, _preserved, profile
+from gpipe.profiler import Profile, _format_bytes, _fresh, _on_device, _preserved, profile
 from gpipe.schedule import SCHEDULES, Schedule, make_schedule
 from gpipe.schedule.action import BACKWARD, FORWARD
 from gpipe.simulate import Costs, simulate
