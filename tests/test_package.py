@@ -1,0 +1,33 @@
+"""The package surface: names users import, and what importing costs."""
+
+from __future__ import annotations
+
+import importlib
+import subprocess
+import sys
+
+import gpipe
+
+
+def test_public_names_resolve_to_functions_even_after_their_modules_load() -> None:
+    # loading the modules must not shadow the functions of the same name
+    importlib.import_module("gpipe.planner")
+    importlib.import_module("gpipe.profiler")
+
+    assert gpipe.plan.__module__ == "gpipe.planner" and callable(gpipe.plan)
+    assert gpipe.profile.__module__ == "gpipe.profiler" and callable(gpipe.profile)
+    for name in gpipe.__all__:
+        assert getattr(gpipe, name) is not None
+
+
+def test_importing_gpipe_does_not_load_torch_until_needed() -> None:
+    code = (
+        "import sys, gpipe\n"
+        "from gpipe import simulate, make_schedule\n"
+        "simulate(make_schedule('1f1b', 4, 8))\n"
+        "print('torch' in sys.modules)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert out.stdout.strip() == "False"
