@@ -529,14 +529,17 @@ def _evaluate(
 def _host_share(measured: Profile, spans: list[tuple[int, int]], devices: list[str]) -> float:
     """How much slower each stage runs when "cpu" stages share this host's cores.
 
-    The profile timed each layer alone and noted the CPU time it used: a layer that
-    computes on the CPU keeps up to all intra-op threads busy, one that waits on an
-    accelerator (or sleeps) keeps none. While the pipeline is full every stage runs at
-    once, so when the CPU stages together want more cores than the host has, each runs
-    ``wanted / cores`` times slower. Stages on accelerators compete for nothing.
+    The profile timed each layer alone and noted how much of that time its thread spent
+    computing: near all of it for a layer that computes on the CPU (with every intra-op
+    thread busy alongside), near none for one that waits on an accelerator (or sleeps).
+    While the pipeline is full every stage runs at once, so when the CPU stages together
+    want more cores than the host has, each runs ``wanted / cores`` times slower. Stages on
+    accelerators compete for nothing.
     """
     if not measured.cpu:
         return 1.0
+    cores = os.cpu_count() or 1
+    threads = min(torch.get_num_threads(), cores)
     cpu = [0.0] * len(devices)
     busy = [0.0] * len(devices)
     for stage, (a, b) in enumerate(spans):  # stage s lives on device s % K
@@ -544,9 +547,11 @@ def _host_share(measured: Profile, spans: list[tuple[int, int]], devices: list[s
         cpu[device] += sum(measured.cpu[a:b])
         busy[device] += sum(measured.forward[a:b]) + sum(measured.backward[a:b])
     wanted = sum(
-        c / t for c, t, name in zip(cpu, busy, devices) if name.startswith("cpu") and t > 0
+        min(1.0, c / t) * threads
+        for c, t, name in zip(cpu, busy, devices)
+        if name.startswith("cpu") and t > 0
     )
-    return max(1.0, wanted / (os.cpu_count() or 1))
+    return max(1.0, wanted / cores)
 
 
 def _activation_peaks(

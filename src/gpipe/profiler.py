@@ -56,9 +56,10 @@ class Profile:
         input_bytes: bytes of the tensors the layer receives (a stage starting here keeps them
             for its backward).
         saved_input_bytes: the part of ``activation_bytes`` that is the layer's own input.
-        cpu: CPU seconds the process spent on the layer's forward + backward, all threads
-            together: ``cpu / (forward + backward)`` is how many cores it keeps busy (about
-            0 when it waits on an accelerator, up to the intra-op thread count on a CPU).
+        cpu: CPU seconds the calling thread spent on the layer's forward + backward:
+            ``cpu / (forward + backward)`` is near 1 when the layer computes on the CPU (its
+            intra-op threads busy alongside) and near 0 when it waits on an accelerator.
+            (The calling thread only: idle OpenMP workers spin, which would count as work.)
     """
 
     names: list[str]
@@ -374,7 +375,7 @@ def _measure(
         for p in params:
             p.grad = None
         _synchronize(device)
-        start_cpu = time.process_time()
+        start_cpu = time.thread_time()
         start = time.perf_counter()
         output = layer(inputs)
         _synchronize(device)
@@ -391,7 +392,7 @@ def _measure(
         if run >= warmup:
             forward.append(middle - start)
             backward.append(end - begin if roots else 0.0)
-            cpu.append(time.process_time() - start_cpu)
+            cpu.append(time.thread_time() - start_cpu)
         del inputs, output, roots, grads
     for p in params:
         p.grad = None
