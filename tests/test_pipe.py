@@ -408,3 +408,15 @@ def test_keyboard_interrupt_in_a_stage_stops_every_worker() -> None:
     # the failed step ran no action after the interrupt reached the others
     ran = [len(events) for events in pipe.timeline.events]
     assert ran[3] == 0 and sum(ran) < 3 * 4
+
+
+def test_track_memory_off_records_no_bytes_and_changes_nothing_else() -> None:
+    x = torch.randn(8, 6, dtype=torch.float64)
+    target = torch.randn(8, 6, dtype=torch.float64)
+    tracked, untracked = make_mlp(), make_mlp()
+    loss = GPipe(tracked, [8, 8], chunks=4).train_step(x, target, F.mse_loss)
+    lean = GPipe(untracked, [8, 8], chunks=4, track_memory=False)
+    assert_close(lean.train_step(x, target, F.mse_loss), loss)
+    for a, b in zip(tracked.parameters(), untracked.parameters()):
+        assert_close(a.grad, b.grad)
+    assert lean.timeline.peak_memory == [0, 0]

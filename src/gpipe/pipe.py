@@ -70,6 +70,9 @@ class GPipe(nn.Module):
             lists ``len(devices) * virtual_stages`` entries.
         sample: a mini-batch like the ones to train on, for ``balance="time"|"memory"``.
         optimizer: the optimizer whose state ``balance="memory"`` counts ("adam", ...).
+        track_memory: count the bytes each device holds for backward, for the timeline.
+            Exact (a hook on every tensor autograd saves), so it costs a few percent on
+            models made of many tiny ops; turn it off there once you have looked.
 
     Raises:
         TypeError: ``module`` is not an ``nn.Sequential``, or ``balance`` is not a list.
@@ -88,6 +91,7 @@ class GPipe(nn.Module):
         virtual_stages: int = 1,
         sample: Any = None,
         optimizer: Any = None,
+        track_memory: bool = True,
     ) -> None:
         super().__init__()
         if not isinstance(module, nn.Sequential):
@@ -109,6 +113,7 @@ class GPipe(nn.Module):
         self.chunks = chunks
         self.schedule = schedule
         self.virtual_stages = virtual_stages
+        self.track_memory = track_memory
         self._schedules: dict[tuple[str, int], Schedule] = {}
 
         if devices is None:
@@ -343,6 +348,7 @@ class GPipe(nn.Module):
             seed=draw_step_seed() if self.training else 0,
             loss=loss,
             split_backward=schedule.split_backward,
+            track_memory=self.track_memory,
         )
         self._last = step
         self._last_schedule = schedule

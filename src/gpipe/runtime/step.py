@@ -40,6 +40,7 @@ class Step:
         seed: the step's random seed (see :mod:`gpipe.randomness`).
         loss: the loss to compute on the last stage (train_step), or None.
         split_backward: run weight gradients as separate W actions (zero-bubble).
+        track_memory: count the bytes each device holds for backward (see StageWorker).
     """
 
     def __init__(
@@ -52,6 +53,7 @@ class Step:
         seed: int,
         loss: Loss | None = None,
         split_backward: bool = False,
+        track_memory: bool = True,
     ) -> None:
         self.stages = stages
         self.microbatches = microbatches
@@ -60,6 +62,7 @@ class Step:
         self.seed = seed
         self.loss = loss
         self.split_backward = split_backward
+        self.track_memory = track_memory
         self.autocast = [
             (kind, torch.get_autocast_dtype(kind))
             for kind in sorted({d.type for d in stages.devices} | {"cpu"})
