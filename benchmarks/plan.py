@@ -29,22 +29,8 @@ import torch
 from torch import nn
 
 from gpipe import GPipe
+from gpipe.models import delay
 from gpipe.planner import Plan, parse_bytes, plan
-
-
-class _Latency(torch.autograd.Function):
-    """Identity that sleeps on the way in and on the way back."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, forward: float, backward: float) -> torch.Tensor:
-        ctx.backward = backward
-        time.sleep(forward)
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        time.sleep(ctx.backward)
-        return grad, None, None
 
 
 class LatencyBlock(nn.Module):
@@ -63,10 +49,10 @@ class LatencyBlock(nn.Module):
         self.gain = nn.Parameter(torch.ones(()))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        delay = self.scale * (self.fixed + self.per_sample * x.shape[0])
+        seconds = self.scale * (self.fixed + self.per_sample * x.shape[0])
         needs = x.requires_grad and torch.is_grad_enabled()
-        x = _Latency.apply(x, delay, delay if needs else 0.0)
-        gain = _Latency.apply(self.gain, 0.0, delay if needs else 2 * delay)
+        x = delay(x, seconds, seconds if needs else 0.0)
+        gain = delay(self.gain, 0.0, seconds if needs else 2 * seconds)
         return self.tanh(self.linear(x * gain))
 
 
@@ -103,8 +89,11 @@ def main() -> None:
     parser.add_argument("--devices", type=int, default=4)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--width", type=int, default=128)
-    parser.add_argument("--budget", default=None, help="memory per device (default: the "
-                        "latency model gets 400KiB, the GPT none)")
+    parser.add_argument(
+        "--budget",
+        default=None,
+        help="memory per device (default: the latency model gets 400KiB, the GPT none)",
+    )
     parser.add_argument("--steps", type=int, default=3, help="timed steps per candidate")
     parser.add_argument("--limit", type=int, default=60, help="most candidates to run")
     args = parser.parse_args()
@@ -123,8 +112,15 @@ def main() -> None:
         budget = args.budget or "400KiB"
     began = time.perf_counter()
     report = plan(
-        model, x, args.batch, ["cpu"] * args.devices, budget,
-        loss_fn=loss_fn, target=y, top=args.limit, progress=False,
+        model,
+        x,
+        args.batch,
+        ["cpu"] * args.devices,
+        budget,
+        loss_fn=loss_fn,
+        target=y,
+        top=args.limit,
+        progress=False,
     )
     plan_seconds = time.perf_counter() - began
     print(report)
@@ -145,8 +141,10 @@ def main() -> None:
     print(f"\n{'plan':<48} {'predicted':>10} {'measured':>10} {'mem err':>8}")
     for p, seconds, error in by_measured[:10]:
         mark = "  <- planner" if p is report.best else ""
-        print(f"{p.describe():<48} {p.predicted_step * 1e3:8.2f}ms {seconds * 1e3:8.2f}ms "
-              f"{error:8.3f}{mark}")
+        print(
+            f"{p.describe():<48} {p.predicted_step * 1e3:8.2f}ms {seconds * 1e3:8.2f}ms "
+            f"{error:8.3f}{mark}"
+        )
     rank = [row[0] for row in by_measured].index(report.best) + 1
     print(f"planner's choice: {report.best.describe()}, measured rank {rank} of {len(rows)}")
     print(

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
@@ -13,23 +12,11 @@ from torch import nn
 from conftest import make_mlp, reference_step
 from gpipe import GPipe
 from gpipe.cli import main
+from gpipe.models import delay
 from gpipe.planner import Plan, PlanReport, _host_share, parse_bytes, plan
 from gpipe.profiler import Profile, profile
 
 FLOAT = 4
-
-
-class _RowDelay(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, forward: float, backward: float) -> torch.Tensor:
-        ctx.backward = backward
-        time.sleep(forward)
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        time.sleep(ctx.backward)
-        return grad, None, None
 
 
 class RowLatency(nn.Module):
@@ -41,8 +28,8 @@ class RowLatency(nn.Module):
         self.scale = nn.Parameter(torch.ones(()))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        delay = self.per_row * x.shape[0]
-        return _RowDelay.apply(x, delay, 2 * delay) * self.scale
+        seconds = self.per_row * x.shape[0]
+        return delay(x, seconds, 2 * seconds) * self.scale
 
 
 def squared_error(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

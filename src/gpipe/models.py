@@ -11,7 +11,16 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-__all__ = ["GPTConfig", "SleepLayer", "gpt", "gpt_loss", "mlp", "sleep_stages", "synthetic_tokens"]
+__all__ = [
+    "GPTConfig",
+    "SleepLayer",
+    "delay",
+    "gpt",
+    "gpt_loss",
+    "mlp",
+    "sleep_stages",
+    "synthetic_tokens",
+]
 
 
 def mlp(layers: int = 16, width: int = 256) -> nn.Sequential:
@@ -127,6 +136,15 @@ class _Delay(torch.autograd.Function):
         return grad, None, None
 
 
+def delay(x: torch.Tensor, forward_s: float, backward_s: float) -> torch.Tensor:
+    """``x`` unchanged, after sleeping ``forward_s``; its gradient sleeps ``backward_s``.
+
+    The building block of latency layers: time that passes like an accelerator kernel's,
+    releasing the GIL, without using the CPU.
+    """
+    return _Delay.apply(x, forward_s, backward_s)
+
+
 class SleepLayer(nn.Module):
     """A stage of known latency: forward F ms, input gradient B ms, weight gradient W ms.
 
@@ -146,9 +164,9 @@ class SleepLayer(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         needs_grad = x.requires_grad and torch.is_grad_enabled()
-        delayed = _Delay.apply(x, self.forward_s, self.backward_s if needs_grad else 0.0)
+        delayed = delay(x, self.forward_s, self.backward_s if needs_grad else 0.0)
         weight_s = self.weight_s + (0.0 if needs_grad else self.backward_s)
-        return delayed + _Delay.apply(self.weight, 0.0, weight_s)
+        return delayed + delay(self.weight, 0.0, weight_s)
 
 
 def sleep_stages(
