@@ -14,6 +14,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from conftest import make_mlp
 from gpipe import GPipe
 from gpipe.schedule import make_schedule
 from gpipe.simulate import Costs, simulate
@@ -147,3 +148,21 @@ def test_first_and_last_stage_count_a_microbatch_by_its_own_bytes() -> None:
     simulated = simulate(make_schedule("1f1b", K, m), Costs(activation_bytes=list(a)))
     assert simulated.peak_memory == expected
     assert timeline.peak_memory == expected
+
+
+@pytest.mark.parametrize("checkpoint", ["never", "always"])
+def test_later_steps_reuse_the_count_and_report_the_same_bytes(checkpoint: str) -> None:
+    model = make_mlp(4, width=16)
+    pipe = GPipe(model, [2, 2, 2, 2], chunks=3, checkpoint=checkpoint, schedule="1f1b")
+
+    def step(rows: int) -> list[list[tuple[object, int]]]:
+        x = torch.randn(rows, 16, dtype=torch.float64)
+        pipe.train_step(x, torch.randn(rows, 16, dtype=torch.float64), F.mse_loss)
+        return [[(e.action, e.memory) for e in device] for device in pipe.timeline.events]
+
+    counted = step(7)  # micro-batches of 3, 2, 2 rows: counted by the hooks
+    assert step(7) == counted  # the same shapes: the count is reused, the bytes are the same
+    assert min(pipe.timeline.peak_memory) > 0
+    first_peak = pipe.timeline.peak_memory[0]
+    step(10)  # 4, 3, 3 rows: a new shape is counted afresh, and holds more
+    assert pipe.timeline.peak_memory[0] > first_peak

@@ -291,8 +291,8 @@ def test_cpu_stages_that_compute_share_the_hosts_cores(monkeypatch: pytest.Monke
     spans = [(0, 1), (1, 2), (2, 3), (3, 4)]
     # four stages computing with 2 intra-op threads each, on a 2-core host: 4x slower
     assert _host_share(_profile_with_cpu(1.0), spans, ["cpu"] * 4) == pytest.approx(4.0)
-    # stages that wait (an accelerator, a sleep) keep no core busy: no slowdown
-    assert _host_share(_profile_with_cpu(0.05), spans, ["cpu"] * 4) == 1.0
+    # stages that mostly wait (an accelerator, a sleep) use a little of one core: no slowdown
+    assert _host_share(_profile_with_cpu(0.3), spans, ["cpu"] * 4) == 1.0
     # accelerators share nothing
     assert (
         _host_share(_profile_with_cpu(2.0), spans, ["cuda:0", "cuda:1", "cuda:2", "cuda:3"]) == 1.0

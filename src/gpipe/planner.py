@@ -546,11 +546,14 @@ def _host_share(measured: Profile, spans: list[tuple[int, int]], devices: list[s
         device = stage % len(devices)
         cpu[device] += sum(measured.cpu[a:b])
         busy[device] += sum(measured.forward[a:b]) + sum(measured.backward[a:b])
-    wanted = sum(
-        min(1.0, c / t) * threads
-        for c, t, name in zip(cpu, busy, devices)
-        if name.startswith("cpu") and t > 0
-    )
+    wanted = 0.0
+    for c, t, name in zip(cpu, busy, devices):
+        if name.startswith("cpu") and t > 0:
+            # r = the share of the time its thread computed. A stage that computes throughout
+            # (r = 1) keeps every intra-op thread busy; one that mostly waits spends its
+            # little CPU time in Python, on one core: interpolate between the two.
+            r = min(1.0, c / t)
+            wanted += r * (1 + (threads - 1) * r)
     return max(1.0, wanted / cores)
 
 
