@@ -30,7 +30,9 @@ from torch import nn
 
 from gpipe import GPipe
 from gpipe.models import delay
-from gpipe.planner import Plan, parse_bytes, plan
+from gpipe.plan_report import Plan
+from gpipe.planner import plan
+from gpipe.units import parse_bytes
 
 
 class LatencyBlock(nn.Module):

@@ -167,7 +167,7 @@ def test_broken_command_module_is_not_hidden(
 def test_plugged_command_registers_and_runs(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    plan = types.ModuleType("gpipe.planner", "Plan a pipeline.\n\nMore text.")
+    plan = types.ModuleType("gpipe.plan_command", "Plan a pipeline.\n\nMore text.")
 
     def add_arguments(parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--layers", type=int, required=True)
@@ -178,7 +178,7 @@ def test_plugged_command_registers_and_runs(
 
     plan.add_arguments = add_arguments  # type: ignore[attr-defined]
     plan.run = run_plan  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "gpipe.planner", plan)
+    monkeypatch.setitem(sys.modules, "gpipe.plan_command", plan)
     assert "Plan a pipeline." in build_parser().format_help()
     assert run(capsys, "plan", "--layers", "5") == (3, "planned 5\n")
 

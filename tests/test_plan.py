@@ -13,8 +13,10 @@ from conftest import make_mlp, reference_step
 from gpipe import GPipe
 from gpipe.cli import main
 from gpipe.models import delay
-from gpipe.planner import Plan, PlanReport, _host_share, parse_bytes, plan
+from gpipe.plan_report import Plan, PlanReport
+from gpipe.planner import _host_share, plan
 from gpipe.profiler import Profile, profile
+from gpipe.units import parse_bytes
 
 FLOAT = 4
 

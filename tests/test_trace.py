@@ -227,4 +227,4 @@ def test_chrome_trace_rejects_unknown_units() -> None:
 def test_chart_shows_measured_peak_memory_in_binary_units() -> None:
     events = [[Event(Action("F", d, 0), 0.0, 0.5, memory=(d + 1) * 3 * 2**20)] for d in range(2)]
     chart = format_chart(Timeline(events, "s"), width=40, color=False)
-    assert "peak memory per device: 3 MiB, 6 MiB" in chart.splitlines()
+    assert "peak memory per device: 3.0 MiB, 6.0 MiB" in chart.splitlines()

@@ -27,7 +27,8 @@ if TYPE_CHECKING:
     )
     from gpipe.microbatch import gather, scatter
     from gpipe.pipe import GPipe
-    from gpipe.planner import Plan, PlanReport, plan
+    from gpipe.plan_report import Plan, PlanReport
+    from gpipe.planner import plan
     from gpipe.profiler import Profile, profile
 
 __version__ = "0.1.0"
@@ -43,8 +44,8 @@ _LAZY = {
     "balance_weighted": "gpipe.balance",
     "Profile": "gpipe.profiler",
     "profile": "gpipe.profiler",
-    "Plan": "gpipe.planner",
-    "PlanReport": "gpipe.planner",
+    "Plan": "gpipe.plan_report",
+    "PlanReport": "gpipe.plan_report",
     "plan": "gpipe.planner",
 }
 

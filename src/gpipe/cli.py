@@ -1,7 +1,7 @@
 """The ``gpipe`` command: simulate a schedule, tabulate bubbles, and the demo and planner.
 
 ``gpipe simulate`` and ``gpipe bubble`` live here. ``gpipe demo`` and ``gpipe plan`` live in
-:mod:`gpipe.demo` and :mod:`gpipe.planner`, each exposing ``add_arguments(parser)`` and
+:mod:`gpipe.demo` and :mod:`gpipe.plan_command`, each exposing ``add_arguments(parser)`` and
 ``run(args) -> int``; a command whose module is missing is left out of the menu.
 """
 
@@ -16,7 +16,7 @@ from types import ModuleType
 
 __all__ = ["build_parser", "main"]
 
-_PLUGGED_COMMANDS = {"demo": "gpipe.demo", "plan": "gpipe.planner"}
+_PLUGGED_COMMANDS = {"demo": "gpipe.demo", "plan": "gpipe.plan_command"}
 _FORMULA_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 
 

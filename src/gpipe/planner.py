@@ -13,179 +13,32 @@ and ranks what fits::
 
 from __future__ import annotations
 
-import argparse
-import importlib
 import itertools
 import math
 import os
-import re
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
-from typing import Any, overload
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
 
 from gpipe.balance import balance_costs
 from gpipe.checkpoint import check_checkpoint, checkpointed
-from gpipe.profiler import Profile, _format_bytes, _fresh, _on_device, _preserved, profile
+from gpipe.plan_report import Plan, PlanReport, Rejection
+from gpipe.profiler import Profile, _fresh, _on_device, _preserved, profile
 from gpipe.schedule import SCHEDULES, Schedule, make_schedule
 from gpipe.schedule.action import BACKWARD, FORWARD
 from gpipe.simulate import Costs, simulate
 from gpipe.structure import leaves, map_tensors
+from gpipe.units import format_bytes, parse_bytes
 
-__all__ = ["Plan", "PlanReport", "Rejection", "add_arguments", "parse_bytes", "plan", "run"]
+__all__ = ["plan"]
 
 DEFAULT_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 DEFAULT_CHECKPOINTS = ("never", "except_last", "always")
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-}
-
-
-@dataclass(frozen=True)
-class Plan:
-    """One way to run the model as a pipeline, with what the planner predicts for it.
-
-    Attributes:
-        stages: devices the pipeline uses (the first ``stages`` of those given).
-        chunks: micro-batches per mini-batch.
-        checkpoint: "never", "except_last" or "always".
-        schedule: the schedule's name.
-        virtual_stages: model stages per device (2 for "interleaved", else 1).
-        balance: layers per model stage (``stages * virtual_stages`` entries).
-        devices: one device per pipeline stage.
-        predicted_step: seconds one training step takes, as simulated.
-        bubble: the idle fraction of the simulated step.
-        peak_memory: bytes per device at its peak: parameters, gradients and optimizer state
-            of its stages, plus ``activation_memory``.
-        activation_memory: bytes per device held for backward at its peak (what
-            ``GPipe.timeline.peak_memory`` measures).
-    """
-
-    stages: int
-    chunks: int
-    checkpoint: str
-    schedule: str
-    virtual_stages: int
-    balance: list[int]
-    devices: list[str]
-    predicted_step: float
-    bubble: float
-    peak_memory: list[int]
-    activation_memory: list[int] = field(default_factory=list)
-
-    def pipe_kwargs(self) -> dict[str, Any]:
-        """The keyword arguments of :class:`gpipe.GPipe` that build this plan's pipe."""
-        return {
-            "balance": list(self.balance),
-            "devices": list(self.devices),
-            "chunks": self.chunks,
-            "checkpoint": self.checkpoint,
-            "schedule": self.schedule,
-            "virtual_stages": self.virtual_stages,
-        }
-
-    def describe(self) -> str:
-        """A short name: ``1f1b K=4 M=8 checkpoint=never``."""
-        v = f" v={self.virtual_stages}" if self.virtual_stages > 1 else ""
-        return f"{self.schedule} K={self.stages}{v} M={self.chunks} checkpoint={self.checkpoint}"
-
-
-@dataclass(frozen=True)
-class Rejection:
-    """A candidate the planner did not recommend, and why."""
-
-    plan: Plan
-    reason: str
-
-
-class PlanReport(Sequence[Plan]):
-    """The best plans, fastest first, and every other candidate with the reason it lost.
-
-    Indexes like a list of :class:`Plan`; ``best`` is ``report[0]``.
-    """
-
-    def __init__(
-        self, plans: list[Plan], rejected: list[Rejection], memory_per_device: int | None
-    ) -> None:
-        self.plans = plans
-        self.rejected = rejected
-        self.memory_per_device = memory_per_device
-
-    @property
-    def best(self) -> Plan:
-        """The fastest plan that fits."""
-        return self.plans[0]
-
-    def __len__(self) -> int:
-        return len(self.plans)
-
-    @overload
-    def __getitem__(self, index: int) -> Plan: ...
-
-    @overload
-    def __getitem__(self, index: slice) -> list[Plan]: ...
-
-    def __getitem__(self, index: int | slice) -> Plan | list[Plan]:
-        return self.plans[index]
-
-    def __iter__(self) -> Iterator[Plan]:
-        return iter(self.plans)
-
-    def __str__(self) -> str:
-        header = (
-            "#",
-            "schedule",
-            "K",
-            "v",
-            "M",
-            "checkpoint",
-            "balance",
-            "step",
-            "bubble",
-            "peak memory per device",
-        )
-        rows = [header]
-        for rank, p in enumerate(self.plans, 1):
-            rows.append(
-                (
-                    str(rank),
-                    p.schedule,
-                    str(p.stages),
-                    str(p.virtual_stages),
-                    str(p.chunks),
-                    p.checkpoint,
-                    ",".join(map(str, p.balance)),
-                    f"{p.predicted_step * 1e3:.2f} ms",
-                    f"{p.bubble:.3f}",
-                    " ".join(_format_bytes(b) for b in p.peak_memory),
-                )
-            )
-        widths = [max(len(row[c]) for row in rows) for c in range(len(header))]
-        lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
-        budget = "none" if self.memory_per_device is None else _format_bytes(self.memory_per_device)
-        over = [r for r in self.rejected if r.reason.startswith("over")]
-        lines.append(
-            f"memory budget per device: {budget}; {len(self.plans) + len(self.rejected)} "
-            f"candidates, {len(over)} over the budget, {len(self.rejected) - len(over)} slower"
-        )
-        shown = over[:3] + [r for r in self.rejected if not r.reason.startswith("over")][:3]
-        for r in shown:
-            lines.append(f"  rejected {r.plan.describe()}: {r.reason}")
-        return "\n".join(lines)
 
 
 def plan(
@@ -323,21 +176,6 @@ def _budget(value: int | str) -> int:
             f"memory_per_device must be a positive byte count or text like '200MB', got {value!r}"
         )
     return size
-
-
-def parse_bytes(text: str) -> int:
-    """Bytes from text: ``"200MB"`` (10**6), ``"1.5GiB"`` (2**30), ``"4096"``.
-
-    Raises:
-        ValueError: text that is not a number with an optional unit.
-    """
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
-    if not match or match.group(2).lower() not in _UNITS:
-        raise ValueError(
-            f"expected a size like 200MB, 1.5GiB or 4096 (bytes), got {text!r}; units: "
-            "B, KB, MB, GB, TB, KiB, MiB, GiB, TiB"
-        )
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
 
 
 def _chunk_counts(batch_size: int, chunks: Sequence[int] | None) -> list[int]:
@@ -609,8 +447,8 @@ def _rank(
         smallest = min(plans, key=lambda p: max(p.peak_memory))
         assert budget is not None
         raise ValueError(
-            f"no plan fits in memory_per_device={_format_bytes(budget)}: the smallest "
-            f"predicted need is {_format_bytes(max(smallest.peak_memory))} per device "
+            f"no plan fits in memory_per_device={format_bytes(budget)}: the smallest "
+            f"predicted need is {format_bytes(max(smallest.peak_memory))} per device "
             f"({smallest.describe()}); raise the budget to at least "
             f"{max(smallest.peak_memory)} bytes, add devices, or use a smaller batch_size"
         )
@@ -628,125 +466,7 @@ def _rank(
         device = max(range(len(p.peak_memory)), key=lambda d: p.peak_memory[d])
         excess = p.peak_memory[device] - budget
         rejected.append(
-            Rejection(p, f"over the memory budget by {_format_bytes(excess)} on device {device}")
+            Rejection(p, f"over the memory budget by {format_bytes(excess)} on device {device}")
         )
     rejected.sort(key=lambda r: (not r.reason.startswith("over"), key(r.plan)))
     return PlanReport(fits[:top], rejected, budget)
-
-
-# -- the `gpipe plan` command ----------------------------------------------------------------
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Register the ``gpipe plan`` options."""
-    parser.add_argument(
-        "--model",
-        metavar="MODULE:FACTORY",
-        help="a zero-argument function returning an nn.Sequential, or a "
-        "(model, sample) pair (default: the tiny GPT of gpipe.models)",
-    )
-    parser.add_argument(
-        "--sample-shape",
-        metavar="D1,D2,...",
-        help="shape of one sample (no batch dimension) for a factory that "
-        "returns only the model; the sample is torch.randn(1, D1, D2, ...)",
-    )
-    group = parser.add_mutually_exclusive_group()
-    group.add_argument(
-        "--devices", default=None, help="comma-separated devices (default: cpu,cpu,cpu,cpu)"
-    )
-    group.add_argument("--stages", type=int, default=None, help="K: plan for K cpu devices")
-    parser.add_argument(
-        "--batch-size", type=int, default=16, help="samples per mini-batch (default 16)"
-    )
-    parser.add_argument(
-        "--chunks",
-        default=None,
-        help="comma-separated chunk counts (default: every divisor of the batch size)",
-    )
-    parser.add_argument(
-        "--memory-per-device",
-        default=None,
-        metavar="SIZE",
-        help="memory budget per device, e.g. 200MB or 1.5GiB",
-    )
-    parser.add_argument(
-        "--optimizer",
-        default=None,
-        help="count this optimizer's state (sgd, sgd-momentum, adam, adamw)",
-    )
-    parser.add_argument(
-        "--schedules",
-        default=",".join(DEFAULT_SCHEDULES),
-        help="comma-separated schedules to consider",
-    )
-    parser.add_argument(
-        "--checkpoints",
-        default=",".join(DEFAULT_CHECKPOINTS),
-        help="comma-separated checkpoint modes to consider",
-    )
-    parser.add_argument("--top", type=int, default=5, help="plans to rank (default 5)")
-    parser.add_argument("--repeats", type=int, default=5, help="timed runs per layer")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-
-
-def run(args: argparse.Namespace) -> int:
-    """Run ``gpipe plan``: print the report and a RESULT line; 2 on bad input."""
-    try:
-        model, sample, loss_fn, target = _load_model(args.model, args.sample_shape)
-        if args.stages is not None:
-            devices = ["cpu"] * args.stages
-        else:
-            devices = (args.devices or "cpu,cpu,cpu,cpu").split(",")
-        report = plan(
-            model,
-            sample,
-            args.batch_size,
-            devices,
-            args.memory_per_device,
-            optimizer=args.optimizer,
-            loss_fn=loss_fn,
-            target=target,
-            schedules=args.schedules.split(","),
-            chunks=None if args.chunks is None else [int(c) for c in args.chunks.split(",")],
-            checkpoints=args.checkpoints.split(","),
-            top=args.top,
-            progress=not args.no_progress,
-            repeats=args.repeats,
-        )
-    except (ValueError, TypeError, ImportError, AttributeError) as error:
-        print(f"gpipe plan: error: {error}", file=sys.stderr)
-        return 2
-    best = report.best
-    print(report)
-    print(
-        f"RESULT best_schedule={best.schedule} stages={best.stages} "
-        f"virtual_stages={best.virtual_stages} chunks={best.chunks} "
-        f"checkpoint={best.checkpoint} balance={','.join(map(str, best.balance))} "
-        f"predicted_ms={best.predicted_step * 1e3:.3f} bubble={best.bubble:.4f} "
-        f"peak_memory={max(best.peak_memory)} "
-        f"candidates={len(report) + len(report.rejected)}"
-    )
-    return 0
-
-
-def _load_model(spec: str | None, shape: str | None) -> tuple[nn.Sequential, Any, Any, Any]:
-    """The model, a sample, and a loss and targets (the built-in GPT only)."""
-    if spec is None:
-        from gpipe.models import GPTConfig, gpt, gpt_loss, synthetic_tokens
-
-        config = GPTConfig(layers=4)
-        torch.manual_seed(0)
-        ids, targets = synthetic_tokens(8, config)
-        return gpt(config), ids, gpt_loss, targets
-    path, _, name = spec.partition(":")
-    if not path or not name:
-        raise ValueError(f"--model must be module:function, e.g. mypkg.models:build; got {spec!r}")
-    made = getattr(importlib.import_module(path), name)()
-    if isinstance(made, tuple):
-        model, sample = made
-    else:
-        if shape is None:
-            raise ValueError(f"{spec} returns only a model: pass --sample-shape, e.g. 512")
-        model, sample = made, torch.randn(1, *(int(d) for d in shape.split(",")))
-    return model, sample, None, None

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from gpipe.structure import leaves, map_tensors
+from gpipe.units import format_bytes
 
 __all__ = ["COST_KINDS", "Profile", "optimizer_state_factor", "profile"]
 
@@ -138,10 +139,10 @@ class Profile:
                     f"{i} {self.names[i]}",
                     _format_seconds(self.forward[i]),
                     _format_seconds(self.backward[i]),
-                    _format_bytes(self.output_bytes[i]),
-                    _format_bytes(self.activation_bytes[i]),
-                    _format_bytes(self.parameter_bytes[i]),
-                    _format_bytes(self.optimizer_bytes[i]),
+                    format_bytes(self.output_bytes[i]),
+                    format_bytes(self.activation_bytes[i]),
+                    format_bytes(self.parameter_bytes[i]),
+                    format_bytes(self.optimizer_bytes[i]),
                 )
             )
         rows.append(
@@ -150,9 +151,9 @@ class Profile:
                 _format_seconds(sum(self.forward)),
                 _format_seconds(sum(self.backward)),
                 "",
-                _format_bytes(sum(self.activation_bytes)),
-                _format_bytes(sum(self.parameter_bytes)),
-                _format_bytes(sum(self.optimizer_bytes)),
+                format_bytes(sum(self.activation_bytes)),
+                format_bytes(sum(self.parameter_bytes)),
+                format_bytes(sum(self.optimizer_bytes)),
             )
         )
         widths = [max(len(row[c]) for row in rows) for c in range(len(header))]
@@ -477,13 +478,3 @@ def _describe(value: Any) -> str:
 
 def _format_seconds(seconds: float) -> str:
     return f"{seconds * 1e3:.3f} ms"
-
-
-def _format_bytes(size: float) -> str:
-    if size < 1024:
-        return f"{size:.0f} B"
-    for unit in ("KiB", "MiB"):
-        size /= 1024
-        if size < 1024:
-            return f"{size:.1f} {unit}"
-    return f"{size / 1024:.1f} GiB"

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gpipe.schedule.action import BACKWARD, FORWARD, WEIGHT
+from gpipe.units import format_bytes
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -133,10 +134,7 @@ def _format_time(value: float, unit: str) -> str:
 
 def _format_memory(value: float, unit: str) -> str:
     if unit == "s":  # measured timelines count bytes
-        for prefix in ("B", "KiB", "MiB", "GiB"):
-            if abs(value) < 1024 or prefix == "GiB":
-                return f"{value:.0f} B" if prefix == "B" else f"{value:.3g} {prefix}"
-            value /= 1024
+        return format_bytes(value)
     return f"{value:.0f}" if value == int(value) else f"{value:.4g}"
 
 
@@ -148,8 +146,9 @@ def _legend(timeline: Timeline, color: bool, width: int) -> list[str]:
         printed = _BLOCK_COLOR[kind] + swatch + _RESET if color else swatch
         text = f" {_NAMES[kind]} of micro-batch 3"
         items.append((swatch + text, printed + text))
-    items.append(("f b w: an action under half a character", "f b w: an action under half "
-                  "a character"))
+    items.append(
+        ("f b w: an action under half a character", "f b w: an action under half a character")
+    )
     items.append(("blank: idle", "blank: idle"))
     lines: list[str] = []
     visible, printed = "legend:", "legend:"
@@ -305,28 +304,43 @@ def _draw_gantt(ax: Axes, timeline: Timeline, span: float, name: str, *, first: 
             if e.duration * points_per_unit < char_points * len(label) + 2:
                 label = str(e.action.microbatch)
             if e.duration * points_per_unit >= char_points * len(label) + 2:
-                ax.text(e.start - origin + e.duration / 2, device, label, ha="center",
-                        va="center", fontsize=7, color="white" if chunk == 0 else "black")
+                ax.text(
+                    e.start - origin + e.duration / 2,
+                    device,
+                    label,
+                    ha="center",
+                    va="center",
+                    fontsize=7,
+                    color="white" if chunk == 0 else "black",
+                )
         for (kind, chunk), spans in bars.items():
             rgb = to_rgb(_PLOT_COLOR[kind])
             light = 0.55 * chunk / max(chunks - 1, 1)
             shade = tuple(c + (1 - c) * light for c in rgb)
-            ax.broken_barh(spans, (device - 0.4, 0.8), facecolors=shade, edgecolors="white",
-                           linewidths=edge)
+            ax.broken_barh(
+                spans, (device - 0.4, 0.8), facecolors=shade, edgecolors="white", linewidths=edge
+            )
     ax.set_ylim(max(devices, 1) - 0.5, -0.5)  # device 0 on top, as in the terminal chart
     ax.set_yticks(range(devices), [f"dev {d}" for d in range(devices)], fontsize=8)
     ax.set_title(
         f"{name}: makespan {_format_time(timeline.makespan, timeline.unit)}, "
         f"bubble {timeline.bubble:.1%}",
-        loc="left", fontsize=10,
+        loc="left",
+        fontsize=10,
     )
     ax.grid(axis="x", alpha=0.3)
     if first:
         handles = [Patch(color=_PLOT_COLOR[k], label=_NAMES[k]) for k in _kinds(timeline)]
         if chunks > 1:
             handles.append(Patch(color="#d0d0d0", label="lighter: later virtual stage"))
-        ax.legend(handles=handles, loc="lower right", bbox_to_anchor=(1.0, 1.0), ncols=3,
-                  fontsize=8, frameon=False)
+        ax.legend(
+            handles=handles,
+            loc="lower right",
+            bbox_to_anchor=(1.0, 1.0),
+            ncols=3,
+            fontsize=8,
+            frameon=False,
+        )
 
 
 def _draw_memory(ax: Axes, timeline: Timeline) -> None:
@@ -348,8 +362,13 @@ def _draw_memory(ax: Axes, timeline: Timeline) -> None:
     ax.set_ylabel("memory", fontsize=8)
     ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: _format_memory(v, timeline.unit)))
     ax.set_title("held for backward, per device", loc="left", fontsize=10)
-    ax.legend(fontsize=6, ncols=min(timeline.devices, 8), loc="lower right",
-              bbox_to_anchor=(1.0, 1.0), frameon=False)
+    ax.legend(
+        fontsize=6,
+        ncols=min(timeline.devices, 8),
+        loc="lower right",
+        bbox_to_anchor=(1.0, 1.0),
+        frameon=False,
+    )
     ax.grid(alpha=0.3)
 
 
@@ -387,29 +406,44 @@ def to_chrome_trace(
     ]
     for device in range(timeline.devices):
         events.append(
-            {"name": "thread_name", "ph": "M", "pid": 0, "tid": device,
-             "args": {"name": f"device {device}"}}
+            {
+                "name": "thread_name",
+                "ph": "M",
+                "pid": 0,
+                "tid": device,
+                "args": {"name": f"device {device}"},
+            }
         )
     with_memory = any(timeline.peak_memory)
     for device, device_events in enumerate(timeline.events):
         for e in device_events:
             action = e.action
-            events.append({
-                "name": f"{action.kind}{action.microbatch}",
-                "cat": _NAMES[action.kind],
-                "ph": "X",
-                "pid": 0,
-                "tid": device,
-                "ts": (e.start - origin) * scale,
-                "dur": e.duration * scale,
-                "args": {"stage": action.stage, "microbatch": action.microbatch,
-                         "memory": e.memory},
-            })
+            events.append(
+                {
+                    "name": f"{action.kind}{action.microbatch}",
+                    "cat": _NAMES[action.kind],
+                    "ph": "X",
+                    "pid": 0,
+                    "tid": device,
+                    "ts": (e.start - origin) * scale,
+                    "dur": e.duration * scale,
+                    "args": {
+                        "stage": action.stage,
+                        "microbatch": action.microbatch,
+                        "memory": e.memory,
+                    },
+                }
+            )
             if with_memory:
-                events.append({
-                    "name": f"memory device {device}", "ph": "C", "pid": 0,
-                    "ts": (e.start - origin) * scale, "args": {"memory": e.memory},
-                })
+                events.append(
+                    {
+                        "name": f"memory device {device}",
+                        "ph": "C",
+                        "pid": 0,
+                        "ts": (e.start - origin) * scale,
+                        "args": {"memory": e.memory},
+                    }
+                )
     trace: dict[str, Any] = {
         "traceEvents": events,
         "displayTimeUnit": "ms",

@@ -1,0 +1,144 @@
+"""Plans and the planner's report: what each candidate is, what it is predicted to cost."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, overload
+
+from gpipe.units import format_bytes
+
+__all__ = ["Plan", "PlanReport", "Rejection"]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One way to run the model as a pipeline, with what the planner predicts for it.
+
+    Attributes:
+        stages: devices the pipeline uses (the first ``stages`` of those given).
+        chunks: micro-batches per mini-batch.
+        checkpoint: "never", "except_last" or "always".
+        schedule: the schedule's name.
+        virtual_stages: model stages per device (2 for "interleaved", else 1).
+        balance: layers per model stage (``stages * virtual_stages`` entries).
+        devices: one device per pipeline stage.
+        predicted_step: seconds one training step takes, as simulated.
+        bubble: the idle fraction of the simulated step.
+        peak_memory: bytes per device at its peak: parameters, gradients and optimizer state
+            of its stages, plus ``activation_memory``.
+        activation_memory: bytes per device held for backward at its peak (what
+            ``GPipe.timeline.peak_memory`` measures).
+    """
+
+    stages: int
+    chunks: int
+    checkpoint: str
+    schedule: str
+    virtual_stages: int
+    balance: list[int]
+    devices: list[str]
+    predicted_step: float
+    bubble: float
+    peak_memory: list[int]
+    activation_memory: list[int] = field(default_factory=list)
+
+    def pipe_kwargs(self) -> dict[str, Any]:
+        """The keyword arguments of :class:`gpipe.GPipe` that build this plan's pipe."""
+        return {
+            "balance": list(self.balance),
+            "devices": list(self.devices),
+            "chunks": self.chunks,
+            "checkpoint": self.checkpoint,
+            "schedule": self.schedule,
+            "virtual_stages": self.virtual_stages,
+        }
+
+    def describe(self) -> str:
+        """A short name: ``1f1b K=4 M=8 checkpoint=never``."""
+        v = f" v={self.virtual_stages}" if self.virtual_stages > 1 else ""
+        return f"{self.schedule} K={self.stages}{v} M={self.chunks} checkpoint={self.checkpoint}"
+
+
+@dataclass(frozen=True)
+class Rejection:
+    """A candidate the planner did not recommend, and why."""
+
+    plan: Plan
+    reason: str
+
+
+class PlanReport(Sequence[Plan]):
+    """The best plans, fastest first, and every other candidate with the reason it lost.
+
+    Indexes like a list of :class:`Plan`; ``best`` is ``report[0]``.
+    """
+
+    def __init__(
+        self, plans: list[Plan], rejected: list[Rejection], memory_per_device: int | None
+    ) -> None:
+        self.plans = plans
+        self.rejected = rejected
+        self.memory_per_device = memory_per_device
+
+    @property
+    def best(self) -> Plan:
+        """The fastest plan that fits."""
+        return self.plans[0]
+
+    def __len__(self) -> int:
+        return len(self.plans)
+
+    @overload
+    def __getitem__(self, index: int) -> Plan: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[Plan]: ...
+
+    def __getitem__(self, index: int | slice) -> Plan | list[Plan]:
+        return self.plans[index]
+
+    def __iter__(self) -> Iterator[Plan]:
+        return iter(self.plans)
+
+    def __str__(self) -> str:
+        header = (
+            "#",
+            "schedule",
+            "K",
+            "v",
+            "M",
+            "checkpoint",
+            "balance",
+            "step",
+            "bubble",
+            "peak memory per device",
+        )
+        rows = [header]
+        for rank, p in enumerate(self.plans, 1):
+            rows.append(
+                (
+                    str(rank),
+                    p.schedule,
+                    str(p.stages),
+                    str(p.virtual_stages),
+                    str(p.chunks),
+                    p.checkpoint,
+                    ",".join(map(str, p.balance)),
+                    f"{p.predicted_step * 1e3:.2f} ms",
+                    f"{p.bubble:.3f}",
+                    " ".join(format_bytes(b) for b in p.peak_memory),
+                )
+            )
+        widths = [max(len(row[c]) for row in rows) for c in range(len(header))]
+        lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+        budget = "none" if self.memory_per_device is None else format_bytes(self.memory_per_device)
+        over = [r for r in self.rejected if r.reason.startswith("over")]
+        lines.append(
+            f"memory budget per device: {budget}; {len(self.plans) + len(self.rejected)} "
+            f"candidates, {len(over)} over the budget, {len(self.rejected) - len(over)} slower"
+        )
+        shown = over[:3] + [r for r in self.rejected if not r.reason.startswith("over")][:3]
+        for r in shown:
+            lines.append(f"  rejected {r.plan.describe()}: {r.reason}")
+        return "\n".join(lines)
