@@ -219,3 +219,13 @@ def test_bad_arguments_are_rejected_naming_the_fix(
 def test_repeats_must_be_positive() -> None:
     with pytest.raises(ValueError, match="repeats >= 1"):
         profile(nn.Sequential(nn.ReLU()), torch.randn(2), repeats=0)
+
+
+def test_split_backward_measures_the_weight_gradient_part() -> None:
+    from gpipe.models import SleepLayer
+
+    layer = SleepLayer(forward_ms=1, backward_ms=20, weight_ms=10)
+    measured = profile(nn.Sequential(layer), torch.randn(2, 3), repeats=3, split_backward=True)
+    assert 0.005 < measured.weight[0] < 0.020  # about 10 ms of a 30 ms backward
+    assert measured.backward[0] > 0.029
+    assert profile(nn.Sequential(layer), torch.randn(2, 3), repeats=1).weight == []

@@ -16,9 +16,7 @@ from __future__ import annotations
 import itertools
 import math
 import os
-import statistics
 import sys
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -28,11 +26,11 @@ from torch import nn
 from gpipe.balance import balance_costs
 from gpipe.checkpoint import check_checkpoint, checkpointed
 from gpipe.plan_report import Plan, PlanReport, Rejection
-from gpipe.profiler import Profile, _fresh, _on_device, _preserved, profile
+from gpipe.profiler import Profile, profile
 from gpipe.schedule import SCHEDULES, Schedule, make_schedule
 from gpipe.schedule.action import BACKWARD, FORWARD
 from gpipe.simulate import Costs, simulate
-from gpipe.structure import leaves, map_tensors
+from gpipe.structure import map_tensors
 from gpipe.units import format_bytes, parse_bytes
 
 __all__ = ["plan"]
@@ -221,11 +219,14 @@ class _Measurements:
                 loss = _LossLayer(self.loss_fn, _rows(self.target, size))
                 model = nn.Sequential(*self.module, loss)
             measured = profile(
-                model, sample, device=self.device, repeats=self.repeats, optimizer=self.optimizer
+                model,
+                sample,
+                device=self.device,
+                repeats=self.repeats,
+                optimizer=self.optimizer,
+                split_backward=self.split,
             )
-            weight = [0.0] * measured.layers
-            if self.split:
-                weight = _weight_seconds(model, sample, measured, self.device, self.repeats)
+            weight = measured.weight or [0.0] * measured.layers
             if self.loss_fn is not None:
                 measured, weight = _fold_loss(measured, weight)
             self._profiles[size] = (measured, weight)
@@ -280,41 +281,6 @@ def _fold_loss(measured: Profile, weight: list[float]) -> tuple[Profile, list[fl
         saved_input_bytes=measured.saved_input_bytes[:-1],
         cpu=fold(measured.cpu) if measured.cpu else [],
     ), fold(weight)
-
-
-def _weight_seconds(
-    module: nn.Sequential, sample: Any, measured: Profile, device: str, repeats: int
-) -> list[float]:
-    """Per layer, backward time minus the time of the input gradient alone (W, >= 0)."""
-    target = torch.device(device)
-    weight = []
-    with _preserved(module, target):
-        module.train()
-        value = map_tensors(lambda t: t.detach().to(target), sample)
-        for i, layer in enumerate(module):
-            layer = _on_device(layer, target)
-            times = []
-            for _ in range(repeats + 1):
-                inputs = _fresh(value)
-                output = layer(inputs)
-                roots, wanted = _differentiable(output), _differentiable(inputs)
-                start = time.perf_counter()
-                if roots and wanted:
-                    torch.autograd.grad(
-                        roots, wanted, [torch.ones_like(r) for r in roots], allow_unused=True
-                    )
-                if target.type == "cuda":
-                    torch.cuda.synchronize(target)
-                times.append(time.perf_counter() - start)
-            weight.append(max(0.0, measured.backward[i] - statistics.median(times[1:])))
-            value = map_tensors(torch.Tensor.detach, output)
-        for p in module.parameters():
-            p.grad = None
-    return weight
-
-
-def _differentiable(value: Any) -> list[torch.Tensor]:
-    return [t for t in leaves(value) if isinstance(t, torch.Tensor) and t.requires_grad]
 
 
 def _evaluate(

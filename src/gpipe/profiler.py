@@ -61,6 +61,9 @@ class Profile:
             ``cpu / (forward + backward)`` is near 1 when the layer computes on the CPU (its
             intra-op threads busy alongside) and near 0 when it waits on an accelerator.
             (The calling thread only: idle OpenMP workers spin, which would count as work.)
+        weight: the part of ``backward`` that is the weight gradient (what a zero-bubble W
+            runs): backward time minus the input gradient alone. Measured only with
+            ``profile(..., split_backward=True)``, else empty.
     """
 
     names: list[str]
@@ -74,6 +77,7 @@ class Profile:
     input_bytes: list[int] = field(default_factory=list)
     saved_input_bytes: list[int] = field(default_factory=list)
     cpu: list[float] = field(default_factory=list)
+    weight: list[float] = field(default_factory=list)
 
     @property
     def layers(self) -> int:
@@ -203,6 +207,7 @@ def profile(
     repeats: int = 5,
     warmup: int = 2,
     optimizer: str | type[torch.optim.Optimizer] | None = None,
+    split_backward: bool = False,
 ) -> Profile:
     """Measure every layer of ``module`` on ``sample``, one layer at a time.
 
@@ -221,6 +226,8 @@ def profile(
         repeats: timed runs per layer; the median is kept.
         warmup: untimed runs before them.
         optimizer: which optimizer's state to count, see :func:`optimizer_state_factor`.
+        split_backward: also time each layer's input gradient alone, to split its backward
+            into B and W for zero-bubble schedules (``Profile.weight``).
 
     Returns:
         The per-layer :class:`Profile`.
@@ -248,7 +255,9 @@ def profile(
         module.train()
         value = map_tensors(lambda t: t.detach().to(device), sample)
         for layer in module:
-            cost, value = _measure(_on_device(layer, device), value, device, repeats, warmup)
+            cost, value = _measure(
+                _on_device(layer, device), value, device, repeats, warmup, split_backward
+            )
             measured.append(cost)
         layers = [_on_device(layer, device) for layer in module]
         chain = _attribute(layers, map_tensors(lambda t: t.detach().to(device), sample))
@@ -265,6 +274,7 @@ def profile(
         input_bytes=chain.inputs,
         saved_input_bytes=chain.saved_inputs,
         cpu=[c.cpu for c in measured],
+        weight=[c.weight for c in measured] if split_backward else [],
     )
 
 
@@ -286,6 +296,7 @@ class _LayerCost:
     parameter_bytes: int
     trainable_bytes: int
     cpu: float
+    weight: float
 
 
 class _SavedBytes:
@@ -355,7 +366,7 @@ def _attribute(layers: list[nn.Module], sample: Any) -> _Chain:
 
 
 def _measure(
-    layer: nn.Module, value: Any, device: torch.device, repeats: int, warmup: int
+    layer: nn.Module, value: Any, device: torch.device, repeats: int, warmup: int, split: bool
 ) -> tuple[_LayerCost, Any]:
     """One layer's cost on input ``value``, and its output (detached) for the next layer."""
     params = list({id(p): p for p in layer.parameters()}.values())
@@ -370,6 +381,7 @@ def _measure(
 
     forward: list[float] = []
     backward: list[float] = []
+    input_only: list[float] = []
     cpu: list[float] = []
     for run in range(warmup + repeats):
         inputs = _fresh(value)
@@ -394,6 +406,8 @@ def _measure(
             forward.append(middle - start)
             backward.append(end - begin if roots else 0.0)
             cpu.append(time.thread_time() - start_cpu)
+            if split:
+                input_only.append(_input_gradient_seconds(layer, value, device))
         del inputs, output, roots, grads
     for p in params:
         p.grad = None
@@ -405,8 +419,26 @@ def _measure(
         parameter_bytes=sum(_nbytes(p) for p in params),
         trainable_bytes=sum(_nbytes(p) for p in params if p.requires_grad),
         cpu=statistics.median(cpu),
+        weight=max(0.0, statistics.median(backward) - statistics.median(input_only))
+        if split
+        else 0.0,
     )
     return cost, next_value
+
+
+def _input_gradient_seconds(layer: nn.Module, value: Any, device: torch.device) -> float:
+    """Seconds of the input gradient alone (what a zero-bubble B runs): no weight gradient."""
+    inputs = _fresh(value)
+    output = layer(inputs)
+    roots = [t for t in leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
+    wanted = [t for t in leaves(inputs) if isinstance(t, torch.Tensor) and t.requires_grad]
+    _synchronize(device)
+    start = time.perf_counter()
+    if roots and wanted:
+        grads = [torch.ones_like(r) for r in roots]
+        torch.autograd.grad(roots, wanted, grads, allow_unused=True)
+    _synchronize(device)
+    return time.perf_counter() - start
 
 
 def _fresh(value: Any) -> Any:
