@@ -16,7 +16,9 @@ from __future__ import annotations
 import itertools
 import math
 import os
+import statistics
 import sys
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -153,8 +155,9 @@ def plan(
     ]
     from tqdm import tqdm
 
+    overhead = _action_overhead(names[0])
     evaluated = [
-        _evaluate(measure, m, k, name, mode, names[:k])
+        _evaluate(measure, m, k, name, mode, names[:k], overhead)
         for m, k, name, mode in tqdm(
             candidates, desc="planning", unit="plan", disable=not progress, file=sys.stderr
         )
@@ -284,7 +287,13 @@ def _fold_loss(measured: Profile, weight: list[float]) -> tuple[Profile, list[fl
 
 
 def _evaluate(
-    measure: _Measurements, chunks: int, stages: int, name: str, mode: str, devices: list[str]
+    measure: _Measurements,
+    chunks: int,
+    stages: int,
+    name: str,
+    mode: str,
+    devices: list[str],
+    overhead: float,
 ) -> Plan:
     v = 2 if name == "interleaved" else 1
     measured, weight = measure.at(chunks)
@@ -302,8 +311,11 @@ def _evaluate(
         for (a, b), w_s, f in zip(spans, w, forward)
     ]
     share = _host_share(measured, spans, devices)
-    if share != 1.0:
-        forward, backward, w = ([t * share for t in ts] for ts in (forward, backward, w))
+    forward, backward = (
+        [t * share + overhead for t in forward],
+        [t * share + overhead for t in backward],
+    )
+    w = [t * share + overhead if schedule.split_backward else 0.0 for t in w]
     timeline = simulate(schedule, Costs(forward=forward, backward=backward, weight=w))
     full = [measured.stage_activation_bytes(a, b) for a, b in spans]
     kept = [measured.input_bytes[a] for a, _ in spans]
@@ -328,6 +340,35 @@ def _evaluate(
         peak_memory=[f + a for f, a in zip(fixed, activations)],
         activation_memory=activations,
     )
+
+
+def _action_overhead(device: str, microbatches: int = 8, steps: int = 5) -> float:
+    """Seconds the runtime adds to every action on this host, measured, not assumed.
+
+    Two stages of a one-weight layer on ``device`` run a few steps: with nothing to compute,
+    a step is hand-offs, bookkeeping and Python, along a critical path of M + K - 1
+    forwards and as many backwards. A schedule with more actions (more micro-batches,
+    zero-bubble's separate W, interleaving) pays this more often, which the profile of the
+    layers alone cannot show.
+    """
+    from gpipe.pipe import GPipe  # the planner sits above the pipe, like the command line
+
+    pipe = GPipe(
+        nn.Sequential(nn.Linear(1, 1), nn.Linear(1, 1)),
+        [1, 1],
+        devices=[device, device],
+        chunks=microbatches,
+        checkpoint="never",
+        track_memory=False,
+    )
+    x = torch.zeros(microbatches, 1, device=device)
+    seconds = []
+    for run in range(steps + 2):
+        began = time.perf_counter()
+        pipe.train_step(x, x.to(pipe.devices[-1]), nn.functional.mse_loss)
+        if run >= 2:
+            seconds.append(time.perf_counter() - began)
+    return statistics.median(seconds) / (2 * (microbatches + 1))
 
 
 def _host_share(measured: Profile, spans: list[tuple[int, int]], devices: list[str]) -> float:
