@@ -66,6 +66,8 @@ def plan(
     on measured forward + backward time, then simulated with per-stage costs from a profile
     taken at its micro-batch size (each size profiled once, on ``devices[0]``; the devices
     are assumed alike). A checkpointed micro-batch's backward also pays its forward again.
+    Every action also pays the runtime's own cost per action, measured once on ``devices[0]``,
+    and "cpu" stages that compute share the host's cores.
     For "zb-h1", W is measured: backward time minus the time of the input gradient alone.
 
     Memory per device: parameters, gradients and optimizer state of its stages, plus the
