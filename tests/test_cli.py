@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 import gpipe.schedule
-from gpipe.cli import _optional_module, bubble_formula, build_parser, main
+from gpipe.cli import _optional_module, build_parser, main
+from gpipe.simulate import bubble_formula
 
 
 def result_fields(output: str) -> dict[str, str]:
@@ -33,8 +34,17 @@ def bad_args(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
 
 
 def test_simulate_gpipe_reports_the_fill_drain_bubble(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out = run(capsys, "simulate", "--stages", "4", "--microbatches", "8",
-                    "--schedule", "gpipe", "--no-color")
+    code, out = run(
+        capsys,
+        "simulate",
+        "--stages",
+        "4",
+        "--microbatches",
+        "8",
+        "--schedule",
+        "gpipe",
+        "--no-color",
+    )
     assert code == 0
     fields = result_fields(out)
     assert fields["schedule"] == "gpipe"
@@ -68,19 +78,39 @@ def test_simulate_1f1b_holds_fewer_activations_down_the_pipeline(
 def test_simulate_costs_and_transfer_change_the_makespan(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    _, out = run(capsys, "simulate", "-K", "2", "-M", "2", "--costs", "1,2,0",
-                 "--transfer", "0.5", "--no-color")
+    _, out = run(
+        capsys,
+        "simulate",
+        "-K",
+        "2",
+        "-M",
+        "2",
+        "--costs",
+        "1,2,0",
+        "--transfer",
+        "0.5",
+        "--no-color",
+    )
     # F0 F1 on dev 0 (0..2), dev 1 F at 1.5..2.5 and 2.5..3.5, B1 3.5..5.5, B0 5.5..7.5;
     # dev 0 runs B1 at 6..8 and B0 at 8..10.
     assert result_fields(out)["makespan"] == "10"
 
 
-def test_simulate_writes_plot_and_trace(
-    capsys: pytest.CaptureFixture[str], tmp_path: Path
-) -> None:
+def test_simulate_writes_plot_and_trace(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     png, trace = tmp_path / "sim.png", tmp_path / "sim.json"
-    code, out = run(capsys, "simulate", "-K", "2", "-M", "4", "--no-color",
-                    "--plot", str(png), "--trace", str(trace))
+    code, out = run(
+        capsys,
+        "simulate",
+        "-K",
+        "2",
+        "-M",
+        "4",
+        "--no-color",
+        "--plot",
+        str(png),
+        "--trace",
+        str(trace),
+    )
     assert code == 0
     assert png.stat().st_size > 10_000
     events = json.loads(trace.read_text())["traceEvents"]
@@ -90,8 +120,20 @@ def test_simulate_writes_plot_and_trace(
 
 
 def test_bubble_table_matches_formulas(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out = run(capsys, "bubble", "--stages", "2", "4", "--microbatches", "2", "4", "8",
-                    "--schedule", "gpipe", "interleaved")
+    code, out = run(
+        capsys,
+        "bubble",
+        "--stages",
+        "2",
+        "4",
+        "--microbatches",
+        "2",
+        "4",
+        "8",
+        "--schedule",
+        "gpipe",
+        "interleaved",
+    )
     assert code == 0
     fields = result_fields(out)
     assert fields["cells"] == "12"
@@ -199,3 +241,18 @@ def test_bubble_defaults_cover_every_schedule_and_agree_with_formulas(
     assert fields["schedules"] == "gpipe,1f1b,interleaved,zb-h1"
     assert fields["cells"] == str(4 * 4 * 7)
     assert float(fields["max_abs_error"]) < 1e-9
+
+
+def test_demo_trains_and_reports_bubble_beside_formula(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo", "--steps", "3", "--batch", "16"]) == 0
+    out = capsys.readouterr().out
+    result = dict(item.split("=") for item in out.strip().splitlines()[-1].split()[1:])
+    assert result["stages"] == "4" and result["microbatches"] == "8"
+    assert float(result["last_loss"]) < float(result["first_loss"])
+    assert float(result["bubble_formula"]) == pytest.approx(3 / 11, abs=1e-4)
+    assert 0 < float(result["bubble"]) < 1
+
+
+def test_demo_refuses_more_stages_than_layers(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo", "--stages", "99", "--steps", "1"]) == 2
+    assert "--stages <=" in capsys.readouterr().out

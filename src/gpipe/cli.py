@@ -123,24 +123,57 @@ def _add_simulate(commands: argparse._SubParsersAction[argparse.ArgumentParser])
         description="Simulate one schedule under a cost model; print its step x device grid, "
         "its timeline as a chart, and a RESULT line.",
     )
-    sub.add_argument("--stages", "-K", type=_positive_int, required=True,
-                     help="K, the number of devices")
-    sub.add_argument("--microbatches", "-M", type=_positive_int, required=True,
-                     help="M, the number of micro-batches")
-    sub.add_argument("--schedule", "-s", default="gpipe", choices=_schedule_names(),
-                     help="the schedule (default: gpipe)")
-    sub.add_argument("--virtual-stages", "-v", type=_positive_int, default=None,
-                     help="model stages per device (interleaved only; default 2 there, else 1)")
-    sub.add_argument("--costs", type=_costs, default=(1.0, 1.0, 1.0), metavar="F,B,W",
-                     help="forward, backward and weight-gradient time per stage (default "
-                     "1,1,1); schedules without W actions run W inside B")
-    sub.add_argument("--transfer", type=_non_negative_float, default=0.0, metavar="T",
-                     help="time to send an activation or gradient between devices (default 0)")
+    sub.add_argument(
+        "--stages", "-K", type=_positive_int, required=True, help="K, the number of devices"
+    )
+    sub.add_argument(
+        "--microbatches",
+        "-M",
+        type=_positive_int,
+        required=True,
+        help="M, the number of micro-batches",
+    )
+    sub.add_argument(
+        "--schedule",
+        "-s",
+        default="gpipe",
+        choices=_schedule_names(),
+        help="the schedule (default: gpipe)",
+    )
+    sub.add_argument(
+        "--virtual-stages",
+        "-v",
+        type=_positive_int,
+        default=None,
+        help="model stages per device (interleaved only; default 2 there, else 1)",
+    )
+    sub.add_argument(
+        "--costs",
+        type=_costs,
+        default=(1.0, 1.0, 1.0),
+        metavar="F,B,W",
+        help="forward, backward and weight-gradient time per stage (default "
+        "1,1,1); schedules without W actions run W inside B",
+    )
+    sub.add_argument(
+        "--transfer",
+        type=_non_negative_float,
+        default=0.0,
+        metavar="T",
+        help="time to send an activation or gradient between devices (default 0)",
+    )
     sub.add_argument("--plot", metavar="PNG", help="also save a PNG Gantt chart here")
-    sub.add_argument("--trace", metavar="JSON",
-                     help="also save a Chrome/Perfetto trace here (1 cost unit shown as 1 ms)")
-    sub.add_argument("--width", type=_positive_int, default=None,
-                     help="chart width in characters (default: the terminal's)")
+    sub.add_argument(
+        "--trace",
+        metavar="JSON",
+        help="also save a Chrome/Perfetto trace here (1 cost unit shown as 1 ms)",
+    )
+    sub.add_argument(
+        "--width",
+        type=_positive_int,
+        default=None,
+        help="chart width in characters (default: the terminal's)",
+    )
     sub.add_argument("--no-color", action="store_true", help="plain text, no ANSI colours")
     sub.set_defaults(run=_run_simulate, parser=sub)
 
@@ -159,7 +192,9 @@ def _run_simulate(args: argparse.Namespace) -> int:
     forward, backward, weight = args.costs
     try:
         schedule = make_schedule(
-            args.schedule, args.stages, args.microbatches,
+            args.schedule,
+            args.stages,
+            args.microbatches,
             virtual_stages=_virtual_stages(args.schedule, args.virtual_stages),
         )
         costs = Costs(forward, backward, weight, transfer=args.transfer)
@@ -196,56 +231,43 @@ def _add_bubble(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
         description="For each schedule, a table of the simulated bubble fraction with equal "
         "costs F = B = W = 1 and no transfer time, next to the formula in parentheses.",
     )
-    sub.add_argument("--stages", "-K", type=_positive_int, nargs="+", default=[2, 4, 8, 16],
-                     help="values of K, the number of devices (default: 2 4 8 16)")
-    sub.add_argument("--microbatches", "-M", type=_positive_int, nargs="+",
-                     default=[1, 2, 4, 8, 16, 32, 64],
-                     help="values of M (default: 1 2 4 8 16 32 64)")
-    sub.add_argument("--schedule", "-s", nargs="+", choices=names,
-                     default=[n for n in _FORMULA_SCHEDULES if n in names],
-                     help="schedules to tabulate (default: all with a formula)")
-    sub.add_argument("--virtual-stages", "-v", type=_positive_int, default=2,
-                     help="v for the interleaved schedule (default 2)")
+    sub.add_argument(
+        "--stages",
+        "-K",
+        type=_positive_int,
+        nargs="+",
+        default=[2, 4, 8, 16],
+        help="values of K, the number of devices (default: 2 4 8 16)",
+    )
+    sub.add_argument(
+        "--microbatches",
+        "-M",
+        type=_positive_int,
+        nargs="+",
+        default=[1, 2, 4, 8, 16, 32, 64],
+        help="values of M (default: 1 2 4 8 16 32 64)",
+    )
+    sub.add_argument(
+        "--schedule",
+        "-s",
+        nargs="+",
+        choices=names,
+        default=[n for n in _FORMULA_SCHEDULES if n in names],
+        help="schedules to tabulate (default: all with a formula)",
+    )
+    sub.add_argument(
+        "--virtual-stages",
+        "-v",
+        type=_positive_int,
+        default=2,
+        help="v for the interleaved schedule (default 2)",
+    )
     sub.set_defaults(run=_run_bubble, parser=sub)
-
-
-def bubble_formula(name: str, stages: int, microbatches: int, virtual_stages: int) -> float | None:
-    """The closed-form bubble fraction with equal costs, where one is known.
-
-    GPipe and 1F1B: ``(K-1)/(M+K-1)``. Interleaved 1F1B: ``(K-1)/(v·M+K-1)`` when K divides M
-    (Megatron-LM's groups of K micro-batches). ZB-H1 with F = B = W: ``(K-1)/(3M+K-1)`` once
-    ``M >= K`` fills its steady state.
-
-    Args:
-        name: the schedule's name.
-        stages: K.
-        microbatches: M.
-        virtual_stages: v (interleaved only).
-
-    Returns:
-        The bubble fraction, or None where no formula applies.
-    """
-    k, m, v = stages, microbatches, virtual_stages
-    if name in ("gpipe", "1f1b"):
-        return (k - 1) / (m + k - 1)
-    if name == "interleaved" and (v == 1 or m % k == 0):
-        return (k - 1) / (v * m + k - 1)
-    if name == "zb-h1" and m >= k:
-        return (k - 1) / (3 * m + k - 1)
-    return None
-
-
-_FORMULA_TEXT = {
-    "gpipe": "(K-1)/(M+K-1)",
-    "1f1b": "(K-1)/(M+K-1)",
-    "interleaved": "(K-1)/(v*M+K-1), when K divides M",
-    "zb-h1": "(K-1)/(3M+K-1) with F=B=W, when M >= K",
-}
 
 
 def _run_bubble(args: argparse.Namespace) -> int:
     from gpipe.schedule import make_schedule
-    from gpipe.simulate import Costs, simulate
+    from gpipe.simulate import BUBBLE_FORMULAS, Costs, bubble_formula, simulate
 
     costs = Costs(1.0, 1.0, 1.0)
     worst = 0.0
@@ -268,7 +290,7 @@ def _run_bubble(args: argparse.Namespace) -> int:
             worst = max(worst, abs(simulated - formula))
             return f"{simulated:.3f} ({formula:.3f})"
 
-        formula = _FORMULA_TEXT.get(name, "none known")
+        formula = BUBBLE_FORMULAS.get(name, "none known")
         suffix = f", v={v}" if name == "interleaved" else ""
         print(f"{name}{suffix}: simulated bubble (formula {formula})")
         print(_table(args.stages, args.microbatches, cell))

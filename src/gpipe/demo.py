@@ -11,6 +11,8 @@ from tqdm import tqdm
 
 from gpipe.models import GPTConfig, gpt, gpt_loss, synthetic_tokens
 from gpipe.pipe import GPipe
+from gpipe.schedule import SCHEDULES
+from gpipe.simulate import BUBBLE_FORMULAS, bubble_formula
 
 __all__ = ["add_arguments", "run"]
 
@@ -21,7 +23,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--microbatches", type=int, default=8, help="micro-batches (default 8)")
     parser.add_argument("--steps", type=int, default=30, help="training steps (default 30)")
     parser.add_argument("--batch", type=int, default=64, help="mini-batch size (default 64)")
-    parser.add_argument("--schedule", default="gpipe", help="schedule for train_step")
+    parser.add_argument(
+        "--schedule", default="gpipe", choices=sorted(SCHEDULES), help="schedule for train_step"
+    )
     parser.add_argument(
         "--checkpoint", default="except_last", choices=["always", "except_last", "never"]
     )
@@ -38,6 +42,14 @@ def run(args: argparse.Namespace) -> int:
     config = GPTConfig()
     model = gpt(config)
     k, m = args.stages, args.microbatches
+    if k < 1 or m < 1 or args.steps < 1 or args.batch < 1:
+        print("gpipe demo: error: --stages, --microbatches, --steps and --batch must be >= 1")
+        return 2
+    if k > len(model):
+        print(
+            f"gpipe demo: error: the tiny GPT has {len(model)} layers: use --stages <= {len(model)}"
+        )
+        return 2
     pipe = GPipe(
         model, devices=["cpu"] * k, chunks=m, checkpoint=args.checkpoint, schedule=args.schedule
     )
@@ -62,11 +74,14 @@ def run(args: argparse.Namespace) -> int:
     seconds = time.perf_counter() - start
     timeline = pipe.timeline
     print(timeline)
-    formula = (k - 1) / (m + k - 1)
+    formula = bubble_formula(args.schedule, k, m, 1)
+    shown = "none known" if formula is None else f"{formula:.3f}"
+    recorded = "none" if formula is None else f"{formula:.4f}"
     print(f"loss {first:.3f} -> {last:.3f} in {args.steps} steps ({seconds:.1f} s)")
     predicted = pipe.predicted_timeline()
     print(
-        f"bubble: measured {timeline.bubble:.3f}, GPipe formula (K-1)/(M+K-1) = {formula:.3f}, "
+        f"bubble: measured {timeline.bubble:.3f}, {args.schedule} formula "
+        f"{BUBBLE_FORMULAS[args.schedule]} = {shown}, "
         f"simulated with this step's measured stage costs {predicted.bubble:.3f}"
     )
     if os.cpu_count() and os.cpu_count() < k:  # type: ignore[operator]
@@ -78,6 +93,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"timeline drawn to {timeline.plot(args.plot, compare=predicted)}")
     print(
         f"RESULT stages={k} microbatches={m} first_loss={first:.4f} last_loss={last:.4f} "
-        f"bubble={timeline.bubble:.4f} bubble_formula={formula:.4f} seconds={seconds:.2f}"
+        f"bubble={timeline.bubble:.4f} bubble_formula={recorded} seconds={seconds:.2f}"
     )
     return 0

@@ -1,4 +1,6 @@
-"""The ``gpipe plan`` command: plan a built-in example model or a user's, print the report.
+"""Plan a pipeline: search stages, micro-batches, checkpointing and schedules, and rank them.
+
+The ``gpipe plan`` command, on a built-in example model or a user's.
 
     gpipe plan --devices cpu,cpu,cpu,cpu --batch-size 64 --memory-per-device 200MB
     gpipe plan --model mypkg.models:build --sample-shape 512 --stages 8
