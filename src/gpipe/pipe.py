@@ -151,7 +151,13 @@ class GPipe(nn.Module):
 
     @classmethod
     def from_plan(cls, module: nn.Sequential, plan: Any) -> GPipe:
-        """The pipe a :func:`gpipe.plan` result describes: stages, chunks, schedule..."""
+        """The pipe a :func:`gpipe.plan` result describes: stages, chunks, schedule...
+
+        Args:
+            module: the model that was planned.
+            plan: a ``Plan``, or the whole report (its best plan is used).
+        """
+        plan = getattr(plan, "best", plan)
         return cls(module, **plan.pipe_kwargs())
 
     def _find_balance(

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import gc
 import statistics
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from gpipe.schedule.action import BACKWARD, FORWARD, WEIGHT, Schedule
 from gpipe.schedule.validate import ScheduleError, validate
@@ -55,7 +56,7 @@ def _per_stage(value: PerStage, stages: int, what: str) -> list[float]:
     return values
 
 
-def simulate(schedule: Schedule, costs: Costs | None = None) -> Timeline:
+def simulate(schedule: Schedule, costs: Costs | Mapping[str, Any] | None = None) -> Timeline:
     """Run ``schedule`` on an idealized machine and record when each action ran.
 
     Every device runs its list in order. An action starts when its device is free and
@@ -68,7 +69,8 @@ def simulate(schedule: Schedule, costs: Costs | None = None) -> Timeline:
 
     Args:
         schedule: the schedule; it must be valid.
-        costs: the cost model; by default F = B = 1, W = 0, no transfer time, 1 byte.
+        costs: the cost model, or a dict of its fields (``{"forward": 1, "backward": 2}``);
+            by default F = B = 1, W = 0, no transfer time, 1 byte.
 
     Returns:
         The timeline, in unit ``"cost"``, starting at 0.
@@ -76,7 +78,10 @@ def simulate(schedule: Schedule, costs: Costs | None = None) -> Timeline:
     Raises:
         ScheduleError: the schedule is invalid (as :func:`~gpipe.schedule.validate` says).
         ValueError: a per-stage cost list of the wrong length.
+        TypeError: a costs dict with a key that is not a field of :class:`Costs`.
     """
+    if isinstance(costs, Mapping):
+        costs = Costs(**costs)
     costs = costs or Costs()
     # NOTE: a long schedule makes hundreds of thousands of events, none in a reference
     # cycle; left on, the cyclic garbage collector rescans them all, again and again, and
