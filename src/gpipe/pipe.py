@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from gpipe.balance import balance_by_memory, balance_by_params, balance_by_time
+from gpipe.batchnorm import DeferredBatchNorm, convert_deferred_batch_norm
 from gpipe.checkpoint import check_checkpoint
 from gpipe.microbatch import batch_size, gather, scatter
 from gpipe.partition import check_balance, split_module
@@ -73,6 +74,10 @@ class GPipe(nn.Module):
         track_memory: count the bytes each device holds for backward, for the timeline.
             Exact (a hook on every tensor autograd saves), so it costs a few percent on
             models made of many tiny ops; turn it off there once you have looked.
+        deferred_batch_norm: replace the model's BatchNorm layers by
+            :class:`~gpipe.batchnorm.DeferredBatchNorm`, whose running statistics are
+            updated once per mini-batch, as in plain training, instead of once per
+            micro-batch (each micro-batch is still normalized by its own statistics).
 
     Raises:
         TypeError: ``module`` is not an ``nn.Sequential``, or ``balance`` is not a list.
@@ -92,6 +97,7 @@ class GPipe(nn.Module):
         sample: Any = None,
         optimizer: Any = None,
         track_memory: bool = True,
+        deferred_batch_norm: bool = False,
     ) -> None:
         super().__init__()
         if not isinstance(module, nn.Sequential):
@@ -140,6 +146,9 @@ class GPipe(nn.Module):
         # Validate the schedule now, not at the first step.
         self._schedule_for(max(chunks, 1))
 
+        if deferred_batch_norm:
+            convert_deferred_batch_norm(module)
+        self._deferred = [m for m in module.modules() if isinstance(m, DeferredBatchNorm)]
         self._module = [module]  # kept unregistered: the partitions own the layers
         self.partitions = split_module(module, balance)
         placement = tuple(s % len(self.devices) for s in range(stage_count))
@@ -259,6 +268,7 @@ class GPipe(nn.Module):
         for i, mb in enumerate(microbatches):
             step.transport.send((ACTIVATION, 0, i), to_stage(mb))
         step.run(schedule.only([FORWARD]).actions)
+        self._commit_batch_norm()
         last = len(self.partitions)
         outputs = [step.transport.collect((ACTIVATION, last, i)) for i in range(len(microbatches))]
         if grad:
@@ -311,6 +321,7 @@ class GPipe(nn.Module):
         for i, mb in enumerate(microbatches):
             step.transport.send((ACTIVATION, 0, i), to_stage(mb))
         step.run(schedule.actions)
+        self._commit_batch_norm()
         backward_into_input(step, microbatches)
         return sum(w * value for w, value in zip(weights, step.losses))  # type: ignore[return-value]
 
@@ -359,6 +370,11 @@ class GPipe(nn.Module):
         self._last = step
         self._last_schedule = schedule
         return step
+
+    def _commit_batch_norm(self) -> None:
+        """Every micro-batch has run forward: fold their statistics in, once for the batch."""
+        for layer in self._deferred:
+            layer.commit()
 
     def _check_placement(self) -> None:
         for stage, partition in enumerate(self.partitions):

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from gpipe.batchnorm import recomputing
 from gpipe.checkpoint import checkpointed
 from gpipe.randomness import RandomProbe, seeded, stream_seed
 from gpipe.runtime.split_backward import WeightGradient, backward_input, backward_weight
@@ -199,7 +200,8 @@ class StageWorker:
         start = time.perf_counter_ns()
         peak = self.held
         if saved.outputs is None:  # re-materialize: same inputs, same random stream
-            output, root, kept = self._forward_kept(stage, mb, saved.inputs)
+            with recomputing():
+                output, root, kept = self._forward_kept(stage, mb, saved.inputs)
             saved.outputs = output if root is None else root
             peak += kept - saved.nbytes
         if has_loss:

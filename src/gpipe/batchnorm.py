@@ -1,0 +1,123 @@
+"""Deferred batch norm: running statistics as if the whole mini-batch went through at once.
+
+A BatchNorm layer in a pipeline sees one micro-batch at a time, so its running mean and
+variance would be updated M times per step, each from a fraction of the batch. The deferred
+version normalizes each micro-batch by its own statistics (as BatchNorm always does in
+training) but only adds the micro-batch's sums up; the pipe commits them once per step, so
+the running statistics equal those of plain training on the whole mini-batch.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+__all__ = ["DeferredBatchNorm", "convert_deferred_batch_norm", "recomputing"]
+
+_state = threading.local()
+
+
+@contextmanager
+def recomputing() -> Iterator[None]:
+    """Mark the forwards run in this thread as re-materialization (they count nothing)."""
+    before = getattr(_state, "recomputing", False)
+    _state.recomputing = True
+    try:
+        yield
+    finally:
+        _state.recomputing = before
+
+
+class DeferredBatchNorm(nn.modules.batchnorm._BatchNorm):
+    """BatchNorm whose running statistics are committed once per mini-batch."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        like = next((t for t in (self.running_mean, self.weight) if t is not None), None)
+        zeros = torch.zeros(
+            self.num_features,
+            dtype=like.dtype if like is not None else None,
+            device=like.device if like is not None else None,
+        )
+        self.register_buffer("sum", zeros, persistent=False)
+        self.register_buffer("sum_squares", zeros.clone(), persistent=False)
+        self.counted = 0
+
+    def _check_input_dim(self, input: torch.Tensor) -> None:
+        if input.dim() < 2:
+            raise ValueError(
+                f"expected at least 2D input (batch, channels, ...), got {input.dim()}D"
+            )
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        self._check_input_dim(input)
+        if not self.training or not self.track_running_stats:
+            return super().forward(input)
+        if not getattr(_state, "recomputing", False):
+            with torch.no_grad():
+                dims = [d for d in range(input.dim()) if d != 1]
+                values = input.detach().to(self.sum.dtype)
+                self.sum += values.sum(dims)
+                self.sum_squares += (values * values).sum(dims)
+                self.counted += input.numel() // input.shape[1]
+        return F.batch_norm(
+            input, None, None, self.weight, self.bias, training=True, momentum=0.0, eps=self.eps
+        )
+
+    @torch.no_grad()
+    def commit(self) -> None:
+        """Fold the sums of this step's micro-batches into the running statistics."""
+        if self.counted == 0:
+            return
+        mean = self.sum / self.counted
+        variance = self.sum_squares / self.counted - mean * mean
+        if self.counted > 1:
+            variance *= self.counted / (self.counted - 1)  # unbiased, as BatchNorm keeps it
+        self.num_batches_tracked += 1
+        # momentum None means a cumulative moving average, as in BatchNorm
+        momentum = self.momentum
+        factor = 1.0 / float(self.num_batches_tracked) if momentum is None else momentum
+        self.running_mean.mul_(1 - factor).add_(mean, alpha=factor)
+        self.running_var.mul_(1 - factor).add_(variance, alpha=factor)
+        self.sum.zero_()
+        self.sum_squares.zero_()
+        self.counted = 0
+
+
+def convert_deferred_batch_norm(module: nn.Module) -> nn.Module:
+    """``module`` with every BatchNorm layer (1d/2d/3d) replaced by a DeferredBatchNorm.
+
+    The replacements take over the layers' parameters and buffers; other layers are kept.
+    Returns the new top-level module if ``module`` itself is a BatchNorm layer.
+    """
+    if isinstance(module, nn.modules.batchnorm._BatchNorm) and not isinstance(
+        module, DeferredBatchNorm
+    ):
+        deferred = DeferredBatchNorm(
+            module.num_features,
+            module.eps,
+            module.momentum,
+            module.affine,
+            module.track_running_stats,
+            device=module.running_mean.device if module.running_mean is not None else None,
+            dtype=module.running_mean.dtype if module.running_mean is not None else None,
+        )
+        if module.affine:
+            deferred.weight = module.weight
+            deferred.bias = module.bias
+        if module.track_running_stats:
+            deferred.running_mean = module.running_mean
+            deferred.running_var = module.running_var
+            deferred.num_batches_tracked = module.num_batches_tracked
+        deferred.train(module.training)
+        return deferred
+    for name, child in module.named_children():
+        converted = convert_deferred_batch_norm(child)
+        if converted is not child:
+            setattr(module, name, converted)
+    return module
