@@ -74,15 +74,7 @@ def measure(
 ) -> tuple[float, list[int]]:
     """Median step seconds over ``steps`` (after one warm-up) and the measured peaks."""
     pipe = GPipe.from_plan(model, p)
-    times = []
-    for run in range(steps + 1):
-        start = time.perf_counter()
-        pipe.train_step(x, y, loss_fn)
-        if run:
-            times.append(time.perf_counter() - start)
-    for param in model.parameters():
-        param.grad = None
-    return statistics.median(times), pipe.timeline.peak_memory
+    return take_turns(model, [pipe], x, y, loss_fn, steps)[0], pipe.timeline.peak_memory
 
 
 def final_round(
@@ -90,7 +82,14 @@ def final_round(
 ) -> list[float]:
     """Median step seconds of each plan, the plans taking turns step by step."""
     pipes = [GPipe.from_plan(model, p) for p in plans]
-    times: list[list[float]] = [[] for _ in plans]
+    return take_turns(model, pipes, x, y, loss_fn, steps)
+
+
+def take_turns(
+    model: nn.Sequential, pipes: list[GPipe], x: Any, y: Any, loss_fn: Any, steps: int
+) -> list[float]:
+    """Each pipe runs one warm-up step, then ``steps`` timed ones, in turn; the medians."""
+    times: list[list[float]] = [[] for _ in pipes]
     for run in range(steps + 1):
         for pipe, seconds in zip(pipes, times):
             start = time.perf_counter()
