@@ -420,3 +420,22 @@ def test_track_memory_off_records_no_bytes_and_changes_nothing_else() -> None:
     for a, b in zip(tracked.parameters(), untracked.parameters()):
         assert_close(a.grad, b.grad)
     assert lean.timeline.peak_memory == [0, 0]
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "zb-h1"])
+@pytest.mark.parametrize("checkpoint", ["never", "always"])
+def test_a_stage_may_start_with_an_in_place_layer(schedule: str, checkpoint: str) -> None:
+    def build() -> nn.Sequential:
+        torch.manual_seed(0)
+        return nn.Sequential(
+            nn.Linear(4, 4), nn.ReLU(inplace=True), nn.Linear(4, 4), nn.LeakyReLU(inplace=True)
+        ).double()
+
+    x = torch.randn(6, 4, dtype=torch.float64)
+    target = torch.randn(6, 4, dtype=torch.float64)
+    _, expected_loss, expected_grads, _ = reference_step(build(), x, target, F.mse_loss)
+    model = build()
+    pipe = GPipe(model, [1, 2, 1], chunks=3, schedule=schedule, checkpoint=checkpoint)
+    assert_close(pipe.train_step(x, target, F.mse_loss), expected_loss)
+    for param, grad in zip(model.parameters(), expected_grads):
+        assert_close(param.grad, grad)

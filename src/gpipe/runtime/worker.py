@@ -39,6 +39,14 @@ class Stages:
     modules: Sequence[nn.Module]
     devices: list[torch.device]
     placement: tuple[int, ...]
+    # Stages whose first layer writes its input in place (ReLU(inplace=True)...): their
+    # input is a leaf that needs a gradient, which autograd forbids modifying, so they get a
+    # copy. Found once, from the layers' ``inplace`` flags.
+    copies_input: list[bool] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.copies_input:
+            self.copies_input = [_writes_input(module) for module in self.modules]
     # Whether a stage's forward draws random numbers, per (stage, training mode); learned
     # from the first forward, which runs seeded and probed to be safe.
     draws_random: dict[tuple[int, bool], bool] = field(default_factory=dict)
@@ -95,6 +103,13 @@ class _SavedBytes:
 
 
 _NOTHING: set[int] = set()
+
+
+def _writes_input(module: nn.Module) -> bool:
+    """Whether the first layer ``module`` runs modifies its input in place."""
+    while isinstance(module, nn.Sequential) and len(module) > 0:
+        module = module[0]
+    return bool(getattr(module, "inplace", False))
 
 
 def _as_leaves(value: Any) -> Any:
@@ -285,6 +300,11 @@ class StageWorker:
         step = self.step
         module = step.stages.modules[stage]
         loss = step.loss if stage == len(step.stages.modules) - 1 else None
+
+        if step.grad and step.stages.copies_input[stage]:
+            # NOTE: also without autograd: a checkpointed micro-batch keeps this very input
+            # to recompute from, so its first forward must not write into it.
+            inputs = map_tensors(torch.Tensor.clone, inputs)
 
         def call() -> tuple[Any, torch.Tensor | None]:
             if step.autocast:  # the caller's torch.autocast, which threads don't inherit
