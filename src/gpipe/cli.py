@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -40,6 +41,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader went away (| head): not an error of ours
+        # NOTE: point stdout at /dev/null, or flushing it at exit raises again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -116,6 +121,10 @@ def _schedule_names() -> list[str]:
     return list(SCHEDULES)
 
 
+# NOTE: the grid of K=128, M=1024 is 2.8 MB of text and takes 16 s to lay out.
+_GRID_ACTIONS = 2000
+
+
 def _add_simulate(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     sub = commands.add_parser(
         "simulate",
@@ -175,6 +184,11 @@ def _add_simulate(commands: argparse._SubParsersAction[argparse.ArgumentParser])
         help="chart width in characters (default: the terminal's)",
     )
     sub.add_argument("--no-color", action="store_true", help="plain text, no ANSI colours")
+    sub.add_argument(
+        "--grid",
+        action="store_true",
+        help=f"print the step x device grid even when it has over {_GRID_ACTIONS} actions",
+    )
     sub.set_defaults(run=_run_simulate, parser=sub)
 
 
@@ -205,7 +219,10 @@ def _run_simulate(args: argparse.Namespace) -> int:
         parser.error(str(error))
     from gpipe.trace import format_chart
 
-    print(schedule)
+    if args.grid or len(schedule) <= _GRID_ACTIONS:
+        print(schedule)
+    else:
+        print(f"(the step x device grid of {len(schedule)} actions is left out; --grid prints it)")
     print()
     print(format_chart(timeline, width=args.width, color=False if args.no_color else None))
     if args.plot:

@@ -80,8 +80,9 @@ def format_chart(timeline: Timeline, width: int | None = None, color: bool | Non
     label_width = len(str(max(timeline.devices - 1, 0)))
     columns = _snap(timeline, max(width - label_width - 3, _MIN_COLUMNS))
     lines = [_header(timeline)]
+    origin, span = timeline.start, timeline.makespan
     for device, events in enumerate(timeline.events):
-        cells = _render_row(events, timeline.start, timeline.makespan, columns, color)
+        cells = _render_row(events, origin, span, columns, color)
         lines.append(f"{device:>{label_width}} |{cells}|")
     end = f"{_format_time(timeline.makespan, timeline.unit)}"
     lines.append(" " * (label_width + 2) + "0" + end.rjust(columns - 1))
