@@ -439,3 +439,13 @@ def test_a_stage_may_start_with_an_in_place_layer(schedule: str, checkpoint: str
     assert_close(pipe.train_step(x, target, F.mse_loss), expected_loss)
     for param, grad in zip(model.parameters(), expected_grads):
         assert_close(param.grad, grad)
+
+
+def test_timeline_events_read_as_kind_microbatch_start_end() -> None:
+    pipe = GPipe(make_mlp(2), [2, 2], chunks=2)
+    pipe.train_step(
+        torch.randn(4, 6, dtype=torch.float64), torch.randn(4, 6, dtype=torch.float64), F.mse_loss
+    )
+    first = pipe.timeline.events[1][0]
+    assert (first.kind, first.stage, first.microbatch) == ("F", 1, 0)
+    assert 0 <= first.start < first.end <= pipe.timeline.makespan + pipe.timeline.start

@@ -30,6 +30,21 @@ class Event:
     def duration(self) -> float:
         return self.end - self.start
 
+    @property
+    def kind(self) -> str:
+        """"F", "B" or "W" (the action's kind)."""
+        return self.action.kind
+
+    @property
+    def stage(self) -> int:
+        """The model stage the action ran on."""
+        return self.action.stage
+
+    @property
+    def microbatch(self) -> int:
+        """The micro-batch the action ran."""
+        return self.action.microbatch
+
 
 @dataclass
 class Timeline:
