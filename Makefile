@@ -28,6 +28,7 @@ lint: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python benchmarks/latency.py
 	$(BIN)/python benchmarks/overhead.py
+	$(BIN)/python benchmarks/plan.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info
