@@ -43,6 +43,9 @@ def quiet_plan(
 ) -> PlanReport:
     kwargs.setdefault("progress", False)
     kwargs.setdefault("repeats", 2)
+    # NOTE: the runtime's measured cost per action moves with the machine's load; the known
+    # answers below are about the schedules, so they leave it out.
+    kwargs.setdefault("action_overhead", 0.0)
     return plan(module, sample, batch, ["cpu"] * devices, *args, **kwargs)
 
 
@@ -301,3 +304,14 @@ def test_cpu_stages_that_compute_share_the_hosts_cores(monkeypatch: pytest.Monke
     )
     # two stages on each of two devices (interleaved) still run one at a time per device
     assert _host_share(_profile_with_cpu(1.0), spans, ["cpu"] * 2) == pytest.approx(2.0)
+
+
+def test_a_costly_action_makes_fewer_micro_batches_win() -> None:
+    model = nn.Sequential(*[RowLatency() for _ in range(4)])
+    common: dict[str, Any] = {"schedules": ("gpipe",), "checkpoints": ("never",)}
+    free = quiet_plan(model, torch.randn(8, 3), 8, 4, **common)
+    costly = quiet_plan(model, torch.randn(8, 3), 8, 4, action_overhead=0.01, **common)
+    assert free.best.chunks == 8
+    assert costly.best.chunks < 8  # 10 ms an action outweighs a smaller bubble
+    with pytest.raises(ValueError, match="action_overhead must be >= 0"):
+        quiet_plan(model, torch.randn(8, 3), 8, 4, action_overhead=-1.0)

@@ -57,6 +57,7 @@ def plan(
     top: int = 5,
     progress: bool = True,
     repeats: int = 5,
+    action_overhead: float | None = None,
 ) -> PlanReport:
     """Search pipeline configurations and rank those that fit by simulated step time.
 
@@ -94,6 +95,8 @@ def plan(
         top: how many plans the report ranks; the rest go to ``rejected``.
         progress: show a progress bar over candidates.
         repeats: timed runs per layer when profiling.
+        action_overhead: seconds the runtime adds to every action; None measures it on
+            ``devices[0]`` (two one-weight stages, a few steps), 0 leaves it out.
 
     Returns:
         The :class:`PlanReport`: ``.best``, the ranked plans, and ``.rejected``.
@@ -157,7 +160,9 @@ def plan(
     ]
     from tqdm import tqdm
 
-    overhead = _action_overhead(names[0])
+    if action_overhead is not None and not action_overhead >= 0:
+        raise ValueError(f"action_overhead must be >= 0 seconds, got {action_overhead!r}")
+    overhead = _action_overhead(names[0]) if action_overhead is None else action_overhead
     evaluated = [
         _evaluate(measure, m, k, name, mode, names[:k], overhead)
         for m, k, name, mode in tqdm(

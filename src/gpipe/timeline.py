@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -101,14 +100,6 @@ class Timeline:
         """Per device, the durations of its actions of ``kind`` ("F", "B" or "W")."""
         return [[e.duration for e in device if e.action.kind == kind] for device in self.events]
 
-    def shifted(self, offset: float) -> Timeline:
-        """The same timeline with every time moved by ``-offset`` (so it can start at 0)."""
-        events = [
-            [Event(e.action, e.start - offset, e.end - offset, e.memory) for e in device]
-            for device in self.events
-        ]
-        return Timeline(events, self.unit, self.schedule, dict(self.meta))
-
     def __str__(self) -> str:
         """The terminal chart, without colour so the text is the same wherever it goes."""
         # NOTE: imported on use, so loading timelines never loads the drawing code.
@@ -127,16 +118,3 @@ class Timeline:
         from gpipe.trace import to_chrome_trace
 
         return to_chrome_trace(self, path)
-
-    @classmethod
-    def merge(cls, parts: Sequence[Timeline]) -> Timeline:
-        """Concatenate per-device events of timelines that share one clock."""
-        devices = max((p.devices for p in parts), default=0)
-        events: list[list[Event]] = [[] for _ in range(devices)]
-        for part in parts:
-            for d, device in enumerate(part.events):
-                events[d].extend(device)
-        for device in events:
-            device.sort(key=lambda e: e.start)
-        first = parts[0] if parts else cls([])
-        return cls(events, first.unit, first.schedule, dict(first.meta))
