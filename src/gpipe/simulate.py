@@ -141,45 +141,29 @@ def _simulate(schedule: Schedule, costs: Costs) -> Timeline:
             if stage >= stages or i >= microbatches or placement[stage] != device:
                 raise _invalid(schedule)
             index = stage * microbatches + i
-            start = clock
+            # What the action waits for: (finish-time key, extra wait for a transfer).
             if kind == FORWARD:
-                if stage:
-                    dep = index - microbatches
-                    end = ends[dep]
-                    if end < 0:
-                        waiting[dep] = device
-                        break
-                    end += from_previous[stage]
-                    if end > start:
-                        start = end
+                deps = ((index - microbatches, from_previous[stage]),) if stage else ()
                 duration = forward[stage]
             elif kind == BACKWARD:
-                dep = index
-                end = ends[dep]
-                if end < 0:
-                    waiting[dep] = device
-                    break
-                if end > start:
-                    start = end
+                deps = ((index, 0.0),)
                 if stage + 1 < stages:
-                    dep = size + index + microbatches
-                    end = ends[dep]
-                    if end < 0:
-                        waiting[dep] = device
-                        break
-                    end += from_next[stage]
-                    if end > start:
-                        start = end
+                    deps += ((size + index + microbatches, from_next[stage]),)
                 duration = backward[stage]
             else:
-                dep = size + index
-                end = ends[dep]
-                if end < 0:
-                    waiting[dep] = device
-                    break
-                if end > start:
-                    start = end
+                deps = ((size + index, 0.0),)
                 duration = weight[stage]
+            start, blocked = clock, False
+            for dep, extra in deps:
+                end = ends[dep]
+                if end < 0:  # not run yet: wait for it, wake when it finishes
+                    waiting[dep] = device
+                    blocked = True
+                    break
+                if end + extra > start:
+                    start = end + extra
+            if blocked:
+                break
             key = offset[kind] + index
             if ends[key] >= 0:
                 raise _invalid(schedule)
@@ -187,11 +171,9 @@ def _simulate(schedule: Schedule, costs: Costs) -> Timeline:
             ends[key] = clock
             if kind == FORWARD:
                 held[device] += held_bytes[stage]
-                out.append(Event(action, start, clock, held[device]))
-            else:
-                out.append(Event(action, start, clock, held[device]))
-                if kind == frees:
-                    held[device] -= held_bytes[stage]
+            out.append(Event(action, start, clock, held[device]))
+            if kind == frees:
+                held[device] -= held_bytes[stage]
             at += 1
             woken = waiting.pop(key, None)
             if woken is not None:
