@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -59,7 +59,6 @@ class Timeline:
     events: list[list[Event]]
     unit: str = "s"
     schedule: str = ""
-    meta: dict[str, object] = field(default_factory=dict)
 
     @property
     def devices(self) -> int:
