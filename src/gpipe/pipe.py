@@ -121,6 +121,7 @@ class GPipe(nn.Module):
         self.virtual_stages = virtual_stages
         self.track_memory = track_memory
         self._schedules: dict[tuple[str, int], Schedule] = {}
+        self._fill_drain: dict[int, tuple[Schedule, Schedule, Schedule]] = {}
 
         if devices is None:
             count = None
@@ -263,18 +264,20 @@ class GPipe(nn.Module):
         """
         microbatches = self._scatter(input)
         grad = torch.is_grad_enabled()
-        schedule = _fill_drain(len(self.devices), self.virtual_stages, len(microbatches))
-        step = self._new_step(len(microbatches), grad=grad, schedule=schedule)
+        m = len(microbatches)
+        if m not in self._fill_drain:  # the whole schedule, its forwards, its backwards
+            whole = _fill_drain(len(self.devices), self.virtual_stages, m)
+            self._fill_drain[m] = (whole, whole.only([FORWARD]), whole.only([BACKWARD]))
+        schedule, forwards, backwards = self._fill_drain[m]
+        step = self._new_step(m, grad=grad, schedule=schedule)
         for i, mb in enumerate(microbatches):
             step.transport.send((ACTIVATION, 0, i), to_stage(mb))
-        step.run(schedule.only([FORWARD]).actions)
+        step.run(forwards.actions)
         self._commit_batch_norm()
         last = len(self.partitions)
         outputs = [step.transport.collect((ACTIVATION, last, i)) for i in range(len(microbatches))]
         if grad:
-            outputs = PipelineBackward.connect(
-                step, schedule.only([BACKWARD]), microbatches, outputs
-            )
+            outputs = PipelineBackward.connect(step, backwards, microbatches, outputs)
         return gather(outputs)
 
     def train_step(

@@ -47,6 +47,7 @@ class Stages:
     def __post_init__(self) -> None:
         if not self.copies_input:
             self.copies_input = [_writes_input(module) for module in self.modules]
+
     # Whether a stage's forward draws random numbers, per (stage, training mode); learned
     # from the first forward, which runs seeded and probed to be safe.
     draws_random: dict[tuple[int, bool], bool] = field(default_factory=dict)
@@ -162,6 +163,7 @@ class StageWorker:
         self.events: list[Event] = step.events[device]
         self.held = 0  # bytes this device holds for backward right now
         self._params: dict[int, set[int]] = {}
+        self._trainables: dict[int, list[torch.Tensor]] = {}
 
     def run(self, actions: Sequence[Action]) -> None:
         perform = {FORWARD: self.forward, BACKWARD: self.backward}
@@ -230,8 +232,7 @@ class StageWorker:
         inputs = _grad_leaves(saved.inputs)
         wanted = [leaf for leaf in inputs if leaf is not None]
         if step.split_backward:
-            params = [p for p in step.stages.modules[stage].parameters() if p.requires_grad]
-            found, saved.weight = backward_input(roots, wanted, params)
+            found, saved.weight = backward_input(roots, wanted, self._trainable(stage))
         else:
             if roots:
                 torch.autograd.backward([r for r, _ in roots], [g for _, g in roots])
@@ -336,6 +337,13 @@ class StageWorker:
     def _release(self, stage: int, mb: int) -> None:
         saved = self.step.saved.pop((stage, mb))
         self.held -= saved.nbytes
+
+    def _trainable(self, stage: int) -> list[torch.Tensor]:
+        """The stage's parameters that take gradients, listed once per step."""
+        if stage not in self._trainables:
+            module = self.step.stages.modules[stage]
+            self._trainables[stage] = [p for p in module.parameters() if p.requires_grad]
+        return self._trainables[stage]
 
     def _param_storages(self, stage: int) -> set[int]:
         if stage not in self._params:
