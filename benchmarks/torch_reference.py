@@ -11,6 +11,7 @@ import os
 import socket
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -27,46 +28,51 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _stage(
-    rank: int,
-    world: int,
-    port: int,
-    factory: Callable[..., nn.Sequential],
-    factory_args: tuple,
-    balance: list[int],
-    schedule: str,
-    microbatches: int,
-    batch: tuple[torch.Tensor, torch.Tensor],
-    loss_fn: Callable,
-    steps: int,
-    threads: int,
-    results: Any,
-) -> None:
+@dataclass(frozen=True)
+class _Job:
+    """What every stage process needs, sent to each as one picklable value."""
+
+    world: int
+    port: int
+    factory: Callable[..., nn.Sequential]
+    factory_args: tuple
+    balance: list[int]
+    schedule: str
+    microbatches: int
+    batch: tuple[torch.Tensor, torch.Tensor]
+    loss_fn: Callable
+    steps: int
+    threads: int
+
+
+def _stage(rank: int, job: _Job, results: Any) -> None:
     from torch.distributed import pipelining
 
     os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    torch.set_num_threads(threads)
+    os.environ["MASTER_PORT"] = str(job.port)
+    torch.set_num_threads(job.threads)
     dist.init_process_group(
-        "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120)
+        "gloo", rank=rank, world_size=job.world, timeout=datetime.timedelta(seconds=120)
     )
     try:
         torch.manual_seed(0)
-        model = factory(*factory_args)
-        start = sum(balance[:rank])
-        submodule = nn.Sequential(*list(model)[start : start + balance[rank]])
-        stage = pipelining.PipelineStage(submodule, rank, world, torch.device("cpu"))
-        runner = getattr(pipelining, _SCHEDULES[schedule])(stage, microbatches, loss_fn=loss_fn)
-        x, target = batch
+        model = job.factory(*job.factory_args)
+        start = sum(job.balance[:rank])
+        submodule = nn.Sequential(*list(model)[start : start + job.balance[rank]])
+        stage = pipelining.PipelineStage(submodule, rank, job.world, torch.device("cpu"))
+        runner = getattr(pipelining, _SCHEDULES[job.schedule])(
+            stage, job.microbatches, loss_fn=job.loss_fn
+        )
+        x, target = job.batch
         times = []
-        for _ in range(steps + 1):  # the first step warms up
+        for _ in range(job.steps + 1):  # the first step warms up
             dist.barrier()
             began = time.perf_counter()
-            if world == 1:
+            if job.world == 1:
                 runner.step(x, target=target, losses=[])
             elif rank == 0:
                 runner.step(x)
-            elif rank == world - 1:
+            elif rank == job.world - 1:
                 runner.step(target=target, losses=[])
             else:
                 runner.step()
@@ -104,25 +110,23 @@ def step_times(
     threads = threads or torch.get_num_threads()
     context = mp.get_context("spawn")
     results = context.SimpleQueue()
-    port = free_port()
+    job = _Job(
+        world,
+        free_port(),
+        factory,
+        factory_args,
+        balance,
+        schedule,
+        microbatches,
+        batch,
+        loss_fn,
+        steps,
+        threads,
+    )
     procs = [
         context.Process(
             target=_stage,
-            args=(
-                rank,
-                world,
-                port,
-                factory,
-                factory_args,
-                balance,
-                schedule,
-                microbatches,
-                batch,
-                loss_fn,
-                steps,
-                threads,
-                results,
-            ),
+            args=(rank, job, results),
             daemon=True,
         )
         for rank in range(world)
