@@ -21,7 +21,7 @@ from gpipe.runtime.transport import ACTIVATION
 from gpipe.runtime.worker import Stages
 from gpipe.schedule import Action, Schedule, make_schedule, validate
 from gpipe.schedule.action import BACKWARD, FORWARD
-from gpipe.simulate import Costs, simulate
+from gpipe.simulate import Costs, activation_peaks, simulate
 from gpipe.structure import map_tensors
 from gpipe.timeline import Timeline
 
@@ -418,13 +418,12 @@ def _kept_microbatches(
 ) -> list[int]:
     """Micro-batches of activations each model stage holds at its peak under ``schedule``.
 
-    Read off the simulator with one unit of activation per micro-batch; re-materialization
-    keeps one micro-batch's activations at a time (the one being recomputed).
+    The runtime's memory walk with one unit per micro-batch and nothing for a checkpointed
+    one's input: re-materialization then holds one micro-batch at a time, the one being
+    recomputed. A device's peak is shared among the stages it holds.
     """
-    if checkpoint != "never":
-        return [1] * stages
-    peaks = simulate(schedule, Costs()).peak_memory
-    return [-(-int(peaks[schedule.placement[s]]) // virtual_stages) for s in range(stages)]
+    peaks = activation_peaks(schedule, [1] * stages, [0] * stages, checkpoint)
+    return [-(-peaks[schedule.placement[s]] // virtual_stages) for s in range(stages)]
 
 
 def _on(value: Any, device: torch.device) -> Any:

@@ -26,12 +26,11 @@ import torch
 from torch import nn
 
 from gpipe.balance import balance_costs
-from gpipe.checkpoint import check_checkpoint, checkpointed
+from gpipe.checkpoint import check_checkpoint
 from gpipe.plan_report import Plan, PlanReport, Rejection
 from gpipe.profiler import Profile, profile
-from gpipe.schedule import SCHEDULES, Schedule, make_schedule
-from gpipe.schedule.action import BACKWARD, FORWARD
-from gpipe.simulate import Costs, simulate
+from gpipe.schedule import SCHEDULES, make_schedule
+from gpipe.simulate import Costs, activation_peaks, simulate
 from gpipe.structure import map_tensors
 from gpipe.units import format_bytes, parse_bytes
 
@@ -326,7 +325,7 @@ def _evaluate(
     timeline = simulate(schedule, Costs(forward=forward, backward=backward, weight=w))
     full = [measured.stage_activation_bytes(a, b) for a, b in spans]
     kept = [measured.input_bytes[a] for a, _ in spans]
-    activations = _activation_peaks(schedule, full, kept, mode)
+    activations = activation_peaks(schedule, full, kept, mode)
     fixed = [0] * stages
     for s, (a, b) in enumerate(spans):
         fixed[schedule.placement[s]] += sum(
@@ -407,34 +406,6 @@ def _host_share(measured: Profile, spans: list[tuple[int, int]], devices: list[s
             r = min(1.0, c / t)
             wanted += r * (1 + (threads - 1) * r)
     return max(1.0, wanted / cores)
-
-
-def _activation_peaks(
-    schedule: Schedule, full: list[int], kept: list[int], checkpoint: str
-) -> list[int]:
-    """Per device, the most activation bytes held, walking its actions as the runtime does.
-
-    A forward keeps the stage's activations (``full``), or only its input (``kept``) when the
-    micro-batch is checkpointed; the backward of a checkpointed micro-batch holds its full
-    activations again while it recomputes; B frees, or W in schedules that split them.
-    """
-    frees = "W" if schedule.split_backward else BACKWARD
-    peaks = []
-    for actions in schedule.actions:
-        held = peak = 0
-        for action in actions:
-            s, i = action.stage, action.microbatch
-            again = checkpointed(checkpoint, i, schedule.microbatches)
-            size = kept[s] if again else full[s]
-            if action.kind == FORWARD:
-                held += size
-                peak = max(peak, held)
-            elif action.kind == BACKWARD and again:
-                peak = max(peak, held + full[s] - kept[s])
-            if action.kind == frees:
-                held -= size
-        peaks.append(peak)
-    return peaks
 
 
 def _rank(

@@ -8,11 +8,19 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from gpipe.checkpoint import checkpointed
 from gpipe.schedule.action import BACKWARD, FORWARD, WEIGHT, Schedule
 from gpipe.schedule.validate import ScheduleError, validate
 from gpipe.timeline import Event, Timeline
 
-__all__ = ["BUBBLE_FORMULAS", "Costs", "bubble_formula", "costs_from_timeline", "simulate"]
+__all__ = [
+    "BUBBLE_FORMULAS",
+    "Costs",
+    "activation_peaks",
+    "bubble_formula",
+    "costs_from_timeline",
+    "simulate",
+]
 
 PerStage = float | Sequence[float]
 
@@ -254,3 +262,40 @@ BUBBLE_FORMULAS = {
     "interleaved": "(K-1)/(v*M+K-1), when K divides M",
     "zb-h1": "(K-1)/(3M+K-1) with F=B=W, when M >= K",
 }
+
+
+def activation_peaks(
+    schedule: Schedule, full: list[int], kept: list[int], checkpoint: str
+) -> list[int]:
+    """Per device, the most activation bytes held, walking its actions as the runtime does.
+
+    Finer than :func:`simulate`'s memory, which knows no re-materialization: this is what
+    the planner predicts and ``balance="memory"`` weighs.
+
+    A forward keeps the stage's activations (``full``), or only its input (``kept``) when the
+    micro-batch is checkpointed; the backward of a checkpointed micro-batch holds its full
+    activations again while it recomputes; B frees, or W in schedules that split them.
+
+    Args:
+        schedule: the schedule.
+        full: per model stage, what one micro-batch keeps without re-materialization.
+        kept: per model stage, what a checkpointed micro-batch keeps (its stage input).
+        checkpoint: the re-materialization mode.
+    """
+    frees = WEIGHT if schedule.split_backward else BACKWARD
+    peaks = []
+    for actions in schedule.actions:
+        held = peak = 0
+        for action in actions:
+            s, i = action.stage, action.microbatch
+            again = checkpointed(checkpoint, i, schedule.microbatches)
+            size = kept[s] if again else full[s]
+            if action.kind == FORWARD:
+                held += size
+                peak = max(peak, held)
+            elif action.kind == BACKWARD and again:
+                peak = max(peak, held + full[s] - kept[s])
+            if action.kind == frees:
+                held -= size
+        peaks.append(peak)
+    return peaks
