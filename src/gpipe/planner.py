@@ -13,6 +13,7 @@ and ranks what fits::
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import os
@@ -197,7 +198,7 @@ def _chunk_counts(batch_size: int, chunks: Sequence[int] | None) -> list[int]:
 
 
 class _Measurements:
-    """Per micro-batch size, the profile (and W times), each measured once."""
+    """Per micro-batch size, the profile (with W times for zero-bubble), measured once."""
 
     def __init__(
         self,
@@ -215,11 +216,11 @@ class _Measurements:
         self.module, self.sample, self.batch_size = module, sample, batch_size
         self.device, self.optimizer, self.split, self.repeats = device, optimizer, split, repeats
         self.loss_fn, self.target = loss_fn, target
-        self._profiles: dict[int, tuple[Profile, list[float]]] = {}
+        self._profiles: dict[int, Profile] = {}
         self._balances: dict[tuple[int, int], list[int]] = {}
 
-    def at(self, chunks: int) -> tuple[Profile, list[float]]:
-        """The profile and per-layer W seconds for the largest micro-batch of ``chunks``."""
+    def at(self, chunks: int) -> Profile:
+        """The profile for the largest micro-batch of ``chunks``."""
         size = math.ceil(self.batch_size / chunks)
         if size not in self._profiles:
             sample = _rows(self.sample, size)
@@ -235,16 +236,15 @@ class _Measurements:
                 optimizer=self.optimizer,
                 split_backward=self.split,
             )
-            weight = measured.weight or [0.0] * measured.layers
             if self.loss_fn is not None:
-                measured, weight = _fold_loss(measured, weight)
-            self._profiles[size] = (measured, weight)
+                measured = _fold_loss(measured)
+            self._profiles[size] = measured
         return self._profiles[size]
 
     def balance(self, chunks: int, stages: int) -> list[int]:
         size = math.ceil(self.batch_size / chunks)
         if (size, stages) not in self._balances:
-            self._balances[size, stages] = balance_costs(self.at(chunks)[0].costs("time"), stages)
+            self._balances[size, stages] = balance_costs(self.at(chunks).costs("time"), stages)
         return self._balances[size, stages]
 
 
@@ -271,25 +271,19 @@ def _rows(value: Any, size: int) -> Any:
     return map_tensors(resize, value)
 
 
-def _fold_loss(measured: Profile, weight: list[float]) -> tuple[Profile, list[float]]:
+# What the loss layer costs joins the last model layer; its other entries are dropped.
+_FOLDED = ("forward", "backward", "activation_bytes", "cpu", "weight")
+
+
+def _fold_loss(measured: Profile) -> Profile:
     """The profile with the loss's time and saved bytes charged to the last layer."""
-
-    def fold(values: list[Any]) -> list[Any]:
-        return [*values[:-2], values[-2] + values[-1]]
-
-    return Profile(
-        names=measured.names[:-1],
-        forward=fold(measured.forward),
-        backward=fold(measured.backward),
-        output_bytes=measured.output_bytes[:-1],
-        activation_bytes=fold(measured.activation_bytes),
-        parameter_bytes=measured.parameter_bytes[:-1],
-        gradient_bytes=measured.gradient_bytes[:-1],
-        optimizer_bytes=measured.optimizer_bytes[:-1],
-        input_bytes=measured.input_bytes[:-1],
-        saved_input_bytes=measured.saved_input_bytes[:-1],
-        cpu=fold(measured.cpu) if measured.cpu else [],
-    ), fold(weight)
+    changes = {}
+    for field in dataclasses.fields(measured):
+        values = getattr(measured, field.name)
+        if values:
+            folded = field.name in _FOLDED
+            changes[field.name] = [*values[:-2], values[-2] + values[-1]] if folded else values[:-1]
+    return dataclasses.replace(measured, **changes)
 
 
 def _evaluate(
@@ -302,7 +296,8 @@ def _evaluate(
     overhead: float,
 ) -> Plan:
     v = 2 if name == "interleaved" else 1
-    measured, weight = measure.at(chunks)
+    measured = measure.at(chunks)
+    weight = measured.weight or [0.0] * measured.layers
     balance = measure.balance(chunks, stages * v)
     bounds = [0]
     for count in balance:
