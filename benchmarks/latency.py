@@ -31,9 +31,9 @@ from torch.nn import functional as F
 
 import torch_reference
 from gpipe import GPipe
+from gpipe.analysis import Costs, costs_from_timeline, simulate
 from gpipe.models import SleepLayer, sleep_stages
 from gpipe.schedule import make_schedule
-from gpipe.simulate import Costs, costs_from_timeline, simulate
 
 
 @dataclass(frozen=True)

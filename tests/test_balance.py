@@ -19,7 +19,7 @@ from gpipe.balance import (
     balance_costs,
     balance_weighted,
 )
-from gpipe.profiler import profile
+from gpipe.balance.profiler import profile
 
 
 def compositions(n: int, stages: int) -> Iterator[list[int]]:

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 import gpipe.schedule
-from gpipe.cli import _optional_module, build_parser, main
-from gpipe.simulate import bubble_formula
+from gpipe.analysis import bubble_formula
+from gpipe.cli import build_parser, main
 
 
 def result_fields(output: str) -> dict[str, str]:
@@ -180,7 +180,7 @@ def test_bubble_formulas_follow_the_papers() -> None:
         (["simulate", "-K", "2", "-M", "4", "--costs", "1,2"], "as F,B,W"),
         (["simulate", "-K", "2", "-M", "4", "--transfer", "-1"], "expected a number >= 0"),
         (["simulate", "-K", "2", "-M", "4", "-s", "nope"], "invalid choice: 'nope'"),
-        (["simulate", "-K", "2", "-M", "4", "-v", "2"], "use schedule='interleaved'"),
+        (["simulate", "-K", "2", "-M", "4", "-s", "1f1b", "-v", "2"], "use schedule='interleaved'"),
         (["bubble", "-M", "0"], "expected a whole number >= 1"),
         ([], "required: COMMAND"),
     ],
@@ -193,23 +193,10 @@ def test_bad_arguments_exit_2_naming_the_fix(
     assert "Traceback" not in err
 
 
-def test_missing_command_module_is_left_out() -> None:
-    assert _optional_module("gpipe.no_such_command") is None
-
-
-def test_broken_command_module_is_not_hidden(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    (tmp_path / "gpipe_broken_cmd.py").write_text("import gpipe_no_such_dependency\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    with pytest.raises(ModuleNotFoundError, match="gpipe_no_such_dependency"):
-        _optional_module("gpipe_broken_cmd")
-
-
-def test_plugged_command_registers_and_runs(
+def test_a_command_is_a_module_with_add_arguments_and_run(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    plan = types.ModuleType("gpipe.plan_command", "Plan a pipeline.\n\nMore text.")
+    plan = types.ModuleType("gpipe.cli.plan", "Plan a pipeline.\n\nMore text.")
 
     def add_arguments(parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--layers", type=int, required=True)
@@ -220,7 +207,7 @@ def test_plugged_command_registers_and_runs(
 
     plan.add_arguments = add_arguments  # type: ignore[attr-defined]
     plan.run = run_plan  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "gpipe.plan_command", plan)
+    monkeypatch.setitem(sys.modules, "gpipe.cli.plan", plan)
     assert "Plan a pipeline." in build_parser().format_help()
     assert run(capsys, "plan", "--layers", "5") == (3, "planned 5\n")
 

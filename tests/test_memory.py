@@ -16,9 +16,8 @@ from torch.nn import functional as F
 
 from conftest import make_mlp
 from gpipe import GPipe
+from gpipe.analysis import Costs, Event, Timeline, simulate
 from gpipe.schedule import make_schedule
-from gpipe.simulate import Costs, simulate
-from gpipe.timeline import Event, Timeline
 
 K = 4
 WIDTH = 16

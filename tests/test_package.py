@@ -11,11 +11,11 @@ import gpipe
 
 def test_public_names_resolve_to_functions_even_after_their_modules_load() -> None:
     # loading the modules must not shadow the functions of the same name
-    importlib.import_module("gpipe.planner")
-    importlib.import_module("gpipe.profiler")
+    importlib.import_module("gpipe.planning.planner")
+    importlib.import_module("gpipe.balance.profiler")
 
-    assert gpipe.plan.__module__ == "gpipe.planner" and callable(gpipe.plan)
-    assert gpipe.profile.__module__ == "gpipe.profiler" and callable(gpipe.profile)
+    assert gpipe.plan.__module__ == "gpipe.planning.planner" and callable(gpipe.plan)
+    assert gpipe.profile.__module__ == "gpipe.balance.profiler" and callable(gpipe.profile)
     for name in gpipe.__all__:
         assert getattr(gpipe, name) is not None
 

@@ -12,11 +12,11 @@ from torch import nn
 
 from conftest import make_mlp, reference_step
 from gpipe import GPipe
+from gpipe.balance.profiler import Profile, profile
 from gpipe.cli import main
 from gpipe.models import delay
-from gpipe.plan_report import Plan, PlanReport
-from gpipe.planner import _host_share, plan
-from gpipe.profiler import Profile, profile
+from gpipe.planning.planner import _host_share, plan
+from gpipe.planning.report import Plan, PlanReport
 from gpipe.units import parse_bytes
 
 FLOAT = 4
@@ -55,7 +55,7 @@ def exact_latency(monkeypatch: pytest.MonkeyPatch) -> None:
     """RowLatency layers profiled at their nominal times: on a loaded machine each sleep
     overshoots by up to milliseconds, a cost per call that really does favour fewer
     micro-batches there; the known answers are about the planner, not the machine."""
-    from gpipe import planner
+    from gpipe.planning import planner
 
     measured = planner.profile
 

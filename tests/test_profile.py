@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from gpipe.profiler import Profile, optimizer_state_factor, profile
+from gpipe.balance.profiler import Profile, optimizer_state_factor, profile
 
 FLOAT = 4  # bytes per float32
 LONG = 8  # bytes per int64

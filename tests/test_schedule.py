@@ -7,6 +7,7 @@ import textwrap
 
 import pytest
 
+from gpipe.analysis import Costs, simulate
 from gpipe.schedule import (
     SCHEDULES,
     Action,
@@ -21,7 +22,6 @@ from gpipe.schedule import (
     to_csv,
     zb_h1,
 )
-from gpipe.simulate import Costs, simulate
 
 
 def lists(schedule: Schedule) -> list[str]:

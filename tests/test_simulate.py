@@ -6,6 +6,7 @@ import time
 
 import pytest
 
+from gpipe.analysis import Costs, Event, Timeline, costs_from_timeline, simulate
 from gpipe.schedule import (
     Action,
     Schedule,
@@ -16,8 +17,6 @@ from gpipe.schedule import (
     one_f_one_b,
     zb_h1,
 )
-from gpipe.simulate import Costs, costs_from_timeline, simulate
-from gpipe.timeline import Event, Timeline
 
 EQUAL = Costs(forward=1, backward=1, weight=1)  # for split schedules: F = B = W
 

@@ -8,9 +8,11 @@ from pathlib import Path
 
 import pytest
 
+from gpipe.analysis import Event, Timeline
+from gpipe.analysis.chart import format_chart
+from gpipe.analysis.perfetto import to_chrome_trace
+from gpipe.analysis.plot import plot
 from gpipe.schedule.action import Action
-from gpipe.timeline import Event, Timeline
-from gpipe.trace import format_chart, plot, to_chrome_trace
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
@@ -31,12 +33,16 @@ def fill_drain(
     events: list[list[Event]] = []
     for d in range(devices):
         row = [
-            Event(Action("F", d, i), start + (d + i) * forward, start + (d + i + 1) * forward,
-                  memory=i + 1)
+            Event(
+                Action("F", d, i),
+                start + (d + i) * forward,
+                start + (d + i + 1) * forward,
+                memory=i + 1,
+            )
             for i in range(microbatches)
         ]
-        drain = start + (microbatches + devices - 1) * forward + (devices - 1 - d) * (
-            backward + weight
+        drain = (
+            start + (microbatches + devices - 1) * forward + (devices - 1 - d) * (backward + weight)
         )
         for j, i in enumerate(reversed(range(microbatches))):
             t = drain + j * (backward + weight)
@@ -64,16 +70,20 @@ def test_chart_labels_every_action_on_its_device_row() -> None:
 def test_chart_header_names_schedule_makespan_and_bubble() -> None:
     timeline = fill_drain(4, 8)  # 1 - 16/22 busy: bubble 3/11
     header = format_chart(timeline, width=80, color=False).splitlines()[0]
-    assert header == (
-        "gpipe: 4 devices, 8 micro-batches, makespan 22 cost, bubble 27.27%"
-    )
+    assert header == ("gpipe: 4 devices, 8 micro-batches, makespan 22 cost, bubble 27.27%")
 
 
 def test_chart_draws_whole_number_costs_at_a_whole_number_of_characters() -> None:
     # 76 columns available for a makespan of 22: 3 characters per cost unit, 66 in all.
     rows = chart_rows(format_chart(fill_drain(4, 8), width=80, color=False), 4)
-    assert rows[0] == "0 |" + "".join(f"F{i}>" for i in range(8)) + " " * 18 + "".join(
-        f"B{i}<" for i in reversed(range(8))) + "|"
+    assert (
+        rows[0]
+        == "0 |"
+        + "".join(f"F{i}>" for i in range(8))
+        + " " * 18
+        + "".join(f"B{i}<" for i in reversed(range(8)))
+        + "|"
+    )
     assert rows[3].startswith("3 |" + " " * 9 + "F0>F1>")
 
 

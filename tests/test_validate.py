@@ -6,6 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gpipe.analysis import simulate
 from gpipe.schedule import (
     Action,
     Schedule,
@@ -18,7 +19,6 @@ from gpipe.schedule import (
     validate,
     zb_h1,
 )
-from gpipe.simulate import simulate
 
 
 def schedule_of(*devices: str, microbatches: int, **kwargs) -> Schedule:

@@ -13,9 +13,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from gpipe.analysis import Costs, Event, Timeline, simulate
 from gpipe.schedule import Action, Schedule, ScheduleError, make_schedule, validate
-from gpipe.simulate import Costs, simulate
-from gpipe.timeline import Event, Timeline
 
 if TYPE_CHECKING:
     from gpipe.balance import (
@@ -25,11 +24,11 @@ if TYPE_CHECKING:
         balance_costs,
         balance_weighted,
     )
+    from gpipe.balance.profiler import Profile, profile
     from gpipe.microbatch import gather, scatter
     from gpipe.pipe import GPipe
-    from gpipe.plan_report import Plan, PlanReport
-    from gpipe.planner import plan
-    from gpipe.profiler import Profile, profile
+    from gpipe.planning.planner import plan
+    from gpipe.planning.report import Plan, PlanReport
 
 __version__ = "0.1.0"
 
@@ -42,11 +41,11 @@ _LAZY = {
     "balance_by_time": "gpipe.balance",
     "balance_costs": "gpipe.balance",
     "balance_weighted": "gpipe.balance",
-    "Profile": "gpipe.profiler",
-    "profile": "gpipe.profiler",
-    "Plan": "gpipe.plan_report",
-    "PlanReport": "gpipe.plan_report",
-    "plan": "gpipe.planner",
+    "Profile": "gpipe.balance.profiler",
+    "profile": "gpipe.balance.profiler",
+    "Plan": "gpipe.planning.report",
+    "PlanReport": "gpipe.planning.report",
+    "plan": "gpipe.planning.planner",
 }
 
 __all__ = [

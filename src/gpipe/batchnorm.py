@@ -36,6 +36,9 @@ def recomputing() -> Iterator[None]:
 class DeferredBatchNorm(nn.modules.batchnorm._BatchNorm):
     """BatchNorm whose running statistics are committed once per mini-batch."""
 
+    sum: torch.Tensor
+    sum_squares: torch.Tensor
+
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
         like = next((t for t in (self.running_mean, self.weight) if t is not None), None)
@@ -78,12 +81,15 @@ class DeferredBatchNorm(nn.modules.batchnorm._BatchNorm):
         variance = self.sum_squares / self.counted - mean * mean
         if self.counted > 1:
             variance *= self.counted / (self.counted - 1)  # unbiased, as BatchNorm keeps it
-        self.num_batches_tracked += 1
+        running_mean, running_var = self.running_mean, self.running_var
+        tracked = self.num_batches_tracked
+        assert running_mean is not None and running_var is not None and tracked is not None
+        tracked += 1
         # momentum None means a cumulative moving average, as in BatchNorm
         momentum = self.momentum
-        factor = 1.0 / float(self.num_batches_tracked) if momentum is None else momentum
-        self.running_mean.mul_(1 - factor).add_(mean, alpha=factor)
-        self.running_var.mul_(1 - factor).add_(variance, alpha=factor)
+        factor = 1.0 / float(tracked) if momentum is None else momentum
+        running_mean.mul_(1 - factor).add_(mean, alpha=factor)
+        running_var.mul_(1 - factor).add_(variance, alpha=factor)
         self.sum.zero_()
         self.sum_squares.zero_()
         self.counted = 0

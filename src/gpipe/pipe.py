@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from gpipe.analysis import Costs, Timeline, kept_microbatches, simulate
 from gpipe.balance import balance_by_memory, balance_by_params, balance_by_time
 from gpipe.batchnorm import DeferredBatchNorm, convert_deferred_batch_norm
 from gpipe.checkpoint import check_checkpoint
@@ -16,14 +17,13 @@ from gpipe.microbatch import batch_size, gather, scatter
 from gpipe.partition import check_balance, split_module
 from gpipe.randomness import draw_step_seed
 from gpipe.runtime.caller import PipelineBackward, backward_into_input, to_stage
-from gpipe.runtime.step import Loss, Step
+from gpipe.runtime.mailbox import LocalTransport
+from gpipe.runtime.stages import Stages
+from gpipe.runtime.state import Loss, StepState, caller_autocast
+from gpipe.runtime.step import Step
 from gpipe.runtime.transport import ACTIVATION
-from gpipe.runtime.worker import Stages
-from gpipe.schedule import Action, Schedule, make_schedule, validate
-from gpipe.schedule.action import BACKWARD, FORWARD
-from gpipe.simulate import Costs, activation_peaks, simulate
+from gpipe.schedule import BACKWARD, FORWARD, Schedule, make_schedule, validate
 from gpipe.structure import map_tensors
-from gpipe.timeline import Timeline
 
 __all__ = ["GPipe"]
 
@@ -156,6 +156,7 @@ class GPipe(nn.Module):
         for stage, partition in enumerate(self.partitions):
             partition.to(self.devices[placement[stage]])
         self._stages = Stages(list(self.partitions), self.devices, placement)
+        self._transport = LocalTransport(placement, self.devices)
         self._last: Step | None = None
         self._last_schedule: Schedule | None = None
 
@@ -192,9 +193,7 @@ class GPipe(nn.Module):
         microbatch = scatter(sample, self.chunks)[0]
         if how == "time":
             return balance_by_time(module, microbatch, stages)
-        kept = _kept_microbatches(
-            self._schedule_for(self.chunks), self.checkpoint, stages, self.virtual_stages
-        )
+        kept = kept_microbatches(self._schedule_for(self.chunks), self.checkpoint)
         return balance_by_memory(
             module, microbatch, stages, optimizer=optimizer, kept_microbatches=kept
         )
@@ -202,11 +201,15 @@ class GPipe(nn.Module):
     # -- nn.Sequential-like access to the user's layers --------------------------------
 
     def __len__(self) -> int:
-        return sum(len(p) for p in self.partitions)
+        return sum(len(p) for p in self._partition_list)
 
     def __iter__(self) -> Iterator[nn.Module]:
-        for partition in self.partitions:
+        for partition in self._partition_list:
             yield from partition
+
+    @property
+    def _partition_list(self) -> list[nn.Sequential]:
+        return list(self.partitions)  # type: ignore[arg-type]
 
     def __getitem__(self, index: int) -> nn.Module:
         layers = list(self)
@@ -266,7 +269,7 @@ class GPipe(nn.Module):
         grad = torch.is_grad_enabled()
         m = len(microbatches)
         if m not in self._fill_drain:  # the whole schedule, its forwards, its backwards
-            whole = _fill_drain(len(self.devices), self.virtual_stages, m)
+            whole = make_schedule("gpipe", len(self.devices), m, virtual_stages=self.virtual_stages)
             self._fill_drain[m] = (whole, whole.only([FORWARD]), whole.only([BACKWARD]))
         schedule, forwards, backwards = self._fill_drain[m]
         step = self._new_step(m, grad=grad, schedule=schedule)
@@ -316,7 +319,7 @@ class GPipe(nn.Module):
                 "give one target per sample"
             )
         targets = scatter(target, len(microbatches))
-        last_device = self._stages.devices[self._stages.placement[-1]]
+        last_device = self._stages.device_of(self._stages.last)
         weights = [batch_size(mb) / total if reduction == "mean" else 1.0 for mb in microbatches]
         loss = Loss(loss_fn, [_on(t, last_device) for t in targets], weights)
         schedule = self._schedule_for(len(microbatches))
@@ -326,7 +329,8 @@ class GPipe(nn.Module):
         step.run(schedule.actions)
         self._commit_batch_norm()
         backward_into_input(step, microbatches)
-        return sum(w * value for w, value in zip(weights, step.losses))  # type: ignore[return-value]
+        losses = [value for value in step.state.losses if value is not None]
+        return torch.stack([w * value for w, value in zip(weights, losses)]).sum()
 
     # -- pieces ------------------------------------------------------------------------
 
@@ -360,16 +364,18 @@ class GPipe(nn.Module):
         loss: Loss | None = None,
         schedule: Schedule,
     ) -> Step:
-        step = Step(
-            self._stages,
+        state = StepState(
             microbatches,
+            len(self.devices),
             grad=grad,
             checkpoint=self.checkpoint if (grad and self.training) else "never",
             seed=draw_step_seed() if self.training else 0,
             loss=loss,
             split_backward=schedule.split_backward,
             track_memory=self.track_memory,
+            autocast=caller_autocast(self.devices),
         )
+        step = Step(self._stages, self._transport, state)
         self._last = step
         self._last_schedule = schedule
         return step
@@ -381,7 +387,7 @@ class GPipe(nn.Module):
 
     def _check_placement(self) -> None:
         for stage, partition in enumerate(self.partitions):
-            device = self._stages.devices[self._stages.placement[stage]]
+            device = self._stages.device_of(stage)
             for name, tensor in [*partition.named_parameters(), *partition.named_buffers()]:
                 if tensor.device != device and not (
                     device.type == tensor.device.type and device.index is None
@@ -391,39 +397,6 @@ class GPipe(nn.Module):
                         f"on {device}: the pipe owns device placement, so don't move its "
                         "layers after wrapping; pass devices=[...] to GPipe instead"
                     )
-
-
-def _fill_drain(devices: int, virtual_stages: int, microbatches: int) -> Schedule:
-    """GPipe's fill-drain over ``virtual_stages`` stages per device (what ``pipe(x)`` runs).
-
-    With one stage per device this is :func:`gpipe.schedule.gpipe`; with more, each device
-    runs its stages in increasing order forward and in decreasing order backward.
-    """
-    if virtual_stages == 1:
-        return make_schedule("gpipe", devices, microbatches)
-    stages = devices * virtual_stages
-    actions = []
-    for device in range(devices):
-        held = range(device, stages, devices)
-        forward = [Action(FORWARD, s, i) for s in held for i in range(microbatches)]
-        backward = [
-            Action(BACKWARD, s, i) for s in reversed(held) for i in reversed(range(microbatches))
-        ]
-        actions.append(tuple(forward + backward))
-    return Schedule("gpipe", tuple(actions), microbatches, stages)
-
-
-def _kept_microbatches(
-    schedule: Schedule, checkpoint: str, stages: int, virtual_stages: int
-) -> list[int]:
-    """Micro-batches of activations each model stage holds at its peak under ``schedule``.
-
-    The runtime's memory walk with one unit per micro-batch and nothing for a checkpointed
-    one's input: re-materialization then holds one micro-batch at a time, the one being
-    recomputed. A device's peak is shared among the stages it holds.
-    """
-    peaks = activation_peaks(schedule, [1] * stages, [0] * stages, checkpoint)
-    return [-(-peaks[schedule.placement[s]] // virtual_stages) for s in range(stages)]
 
 
 def _on(value: Any, device: torch.device) -> Any:

@@ -15,7 +15,7 @@ from torch.utils import _pytree as pytree
 
 from gpipe.runtime.step import Step
 from gpipe.runtime.transport import GRADIENT
-from gpipe.schedule.action import Schedule
+from gpipe.schedule import Schedule
 from gpipe.structure import leaves, map_tensors
 
 __all__ = ["PipelineBackward", "backward_into_input", "to_stage"]
@@ -102,7 +102,7 @@ class PipelineBackward(torch.autograd.Function):
     def backward(ctx: Any, *grad_outputs: torch.Tensor | None) -> Any:
         step, backward, inputs, masks, differentiable = ctx.meta
         ctx.meta = None  # free the step's saved state once the backward is done
-        last = len(step.stages.modules) - 1
+        last = step.stages.last
         grads = iter(grad_outputs)
         for i, mask in enumerate(differentiable):
             step.transport.send(

@@ -1,96 +1,61 @@
-"""One training step: the state its workers share, and running their action lists."""
+"""Running one step: each device's action list on its own worker, the first failure re-raised."""
 
 from __future__ import annotations
 
 import threading
-import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Sequence
 
-import torch
+from gpipe.analysis import Timeline
+from gpipe.runtime.stages import Stages
+from gpipe.runtime.state import StepState
+from gpipe.runtime.transport import Aborted, Transport
+from gpipe.runtime.worker import StageWorker
+from gpipe.schedule import Action
 
-from gpipe.runtime.transport import Aborted, LocalTransport
-from gpipe.runtime.worker import Stages, StageWorker, _Saved
-from gpipe.schedule.action import Action
-from gpipe.timeline import Event, Timeline
-
-__all__ = ["Loss", "Step"]
+__all__ = ["Step"]
 
 _KIND_NAMES = {"F": "forward", "B": "backward", "W": "weight gradient"}
 
 
-@dataclass
-class Loss:
-    """The loss computed on the last stage: ``fn(output, targets[i]) * weights[i]``."""
-
-    fn: Callable[[Any, Any], torch.Tensor]
-    targets: list[Any]
-    weights: list[float]
-
-
 class Step:
-    """The state of one step: messages, what each micro-batch saved, losses, the timeline.
+    """One step of a pipe: its state, the transport, and a worker per device.
+
+    The same class runs a local pipe (every device in this process, one thread each) and a
+    rank of a distributed one (only this rank's device has actions; the others' lists are
+    empty, so it runs on the calling thread alone).
 
     Args:
         stages: the stage modules and their placement.
-        microbatches: M, the number of micro-batches in this step.
-        grad: whether the step builds autograd graphs (training) or only runs forward.
-        checkpoint: the re-materialization mode.
-        seed: the step's random seed (see :mod:`gpipe.randomness`).
-        loss: the loss to compute on the last stage (train_step), or None.
-        split_backward: run weight gradients as separate W actions (zero-bubble).
-        track_memory: count the bytes each device holds for backward (see StageWorker).
+        transport: what carries messages between stages; reset for this step.
+        state: the step's settings and shared state.
     """
 
-    def __init__(
-        self,
-        stages: Stages,
-        microbatches: int,
-        *,
-        grad: bool,
-        checkpoint: str,
-        seed: int,
-        loss: Loss | None = None,
-        split_backward: bool = False,
-        track_memory: bool = True,
-    ) -> None:
+    def __init__(self, stages: Stages, transport: Transport, state: StepState) -> None:
         self.stages = stages
-        self.microbatches = microbatches
-        self.grad = grad
-        self.checkpoint = checkpoint
-        self.seed = seed
-        self.loss = loss
-        self.split_backward = split_backward
-        self.track_memory = track_memory
-        self.autocast = [
-            (kind, torch.get_autocast_dtype(kind))
-            for kind in sorted({d.type for d in stages.devices} | {"cpu"})
-            if torch.is_autocast_enabled(kind)
+        self.transport = transport
+        self.state = state
+        transport.reset()
+        self._workers = [
+            StageWorker(stages, d, transport, state) for d in range(len(stages.devices))
         ]
-        self.transport = LocalTransport(stages.placement, stages.devices)
-        self.saved: dict[tuple[int, int], _Saved] = {}
-        self.losses: list[torch.Tensor | None] = [None] * microbatches
-        self.events: list[list[Event]] = [[] for _ in stages.devices]
-        self.origin_ns = time.perf_counter_ns()
-        self._workers = [StageWorker(self, d) for d in range(len(stages.devices))]
         self._error: BaseException | None = None
-        self.failed = False  # set at the first failure: workers stop before their next action
         self._error_lock = threading.Lock()
 
     def run(self, actions: Sequence[Sequence[Action]]) -> None:
         """Run each device's action list concurrently; re-raise the first failure.
 
-        Device 0 runs on the calling thread and every other device on a thread of its own.
-        NOTE: keeping device 0 on the caller means a one-stage pipe starts no thread at all,
-        and the caller's intra-op (OpenMP) thread team keeps doing the work: a second team
-        in another thread competes with it for the cores and was measured 2x slower.
+        The first device with actions runs on the calling thread and every other device on
+        a thread of its own. NOTE: keeping one device on the caller means a one-stage pipe
+        (and a rank of a distributed pipe) starts no thread at all, and the caller's
+        intra-op (OpenMP) thread team keeps doing the work: a second team in another thread
+        competes with it for the cores and was measured 2x slower.
 
         Raises:
             Exception: the first exception any stage raised, its message naming the stage,
                 micro-batch and action. The other workers are woken and end; none stays
                 blocked.
         """
+        busy = [d for d in range(len(actions)) if actions[d]]
         threads = [
             threading.Thread(
                 target=self._work,
@@ -98,24 +63,23 @@ class Step:
                 name=f"gpipe-device{d}",
                 daemon=True,
             )
-            for d in range(1, len(actions))
-            if actions[d]
+            for d in busy[1:]
         ]
         for thread in threads:
             thread.start()
         try:
-            if actions and actions[0]:
-                self._work(self._workers[0], actions[0])
+            if busy:
+                self._work(self._workers[busy[0]], actions[busy[0]])
             for thread in threads:
                 thread.join()
         except BaseException:  # e.g. Ctrl-C while waiting: stop every worker, then leave
-            self.failed = True
+            self.state.failed = True
             self.transport.abort()
             for thread in threads:
                 thread.join()
             raise
         if self._error is not None:
-            self.saved.clear()
+            self.state.saved.clear()
             raise self._error
 
     def _work(self, worker: StageWorker, actions: Sequence[Action]) -> None:
@@ -127,7 +91,7 @@ class Step:
             with self._error_lock:
                 if self._error is None:
                     self._error = _annotate(exc)
-            self.failed = True
+            self.state.failed = True
             self.transport.abort()
 
     def timeline(self, schedule: str) -> Timeline:
@@ -135,7 +99,7 @@ class Step:
 
         Each device's worker appends its events as it runs them, so they are in start order.
         """
-        return Timeline([list(device) for device in self.events], "s", schedule)
+        return Timeline([list(device) for device in self.state.events], "s", schedule)
 
 
 def _annotate(exc: BaseException) -> BaseException:
@@ -149,6 +113,6 @@ def _annotate(exc: BaseException) -> BaseException:
     )
     if exc.args and isinstance(exc.args[0], str) and type(exc).__str__ is BaseException.__str__:
         exc.args = (f"{exc.args[0]} {where}", *exc.args[1:])
-    else:
+    elif hasattr(exc, "add_note"):  # Python 3.11+
         exc.add_note(where)
     return exc

@@ -1,15 +1,21 @@
-"""In-process transport: tagged mailboxes between the stage workers of one process."""
+"""The Transport protocol: how stage workers hand activations and gradients to each other.
+
+A worker only ever sends and receives tagged messages; what carries them is injected. The
+mailboxes of :mod:`gpipe.runtime.mailbox` carry them between threads of one process; the
+point-to-point transport of :mod:`gpipe.distributed` carries them between processes. A
+transport lives as long as its pipe (a distributed one caches message signatures across
+steps); :meth:`Transport.reset` readies it for the next step.
+"""
 
 from __future__ import annotations
 
-import threading
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from gpipe.structure import map_tensors
 
-__all__ = ["ACTIVATION", "GRADIENT", "Aborted", "LocalTransport", "Tag"]
+__all__ = ["ACTIVATION", "GRADIENT", "Aborted", "Tag", "Transport", "to_device"]
 
 ACTIVATION = "act"
 GRADIENT = "grad"
@@ -23,78 +29,29 @@ class Aborted(Exception):
     """Raised in a worker waiting for a message when another worker failed."""
 
 
-class _Mailbox:
-    """Messages for one receiver, keyed by tag, so any schedule's receive order works."""
+class Transport(Protocol):
+    """Moves pytrees of tensors (and other values) between the stages of one pipeline."""
 
-    def __init__(self) -> None:
-        self._ready = threading.Condition()
-        self._items: dict[Tag, Any] = {}
-        self._aborted = False
+    def reset(self) -> None:
+        """Forget the last step's messages and any abort: a new step begins."""
 
-    def put(self, tag: Tag, value: Any) -> None:
-        with self._ready:
-            self._items[tag] = value
-            self._ready.notify_all()
+    def send(self, tag: Tag, value: Any) -> None:
+        """Hand ``value`` to the receiver of ``tag``; never waits for it to be received."""
 
-    def take(self, tag: Tag) -> Any:
-        with self._ready:
-            while tag not in self._items:
-                if self._aborted:
-                    raise Aborted
-                self._ready.wait()
-            return self._items.pop(tag)
+    def recv(self, tag: Tag) -> Any:
+        """Wait for the message ``tag``; its tensors arrive on the receiving stage's device.
 
-    def take_ready(self, tag: Tag) -> Any:
-        """Take a message that must already be there (the caller's side, after a phase)."""
-        with self._ready:
-            return self._items.pop(tag)
+        Raises:
+            Aborted: another worker failed while this one waited.
+        """
+
+    def collect(self, tag: Tag) -> Any:
+        """Take a message addressed to the caller's side (stage -1 or S) after a phase."""
 
     def abort(self) -> None:
-        with self._ready:
-            self._aborted = True
-            self._ready.notify_all()
+        """Wake every waiting receiver with :class:`Aborted`."""
 
 
 def to_device(value: Any, device: torch.device) -> Any:
     """Move every tensor in ``value`` to ``device`` (no copy when already there)."""
     return map_tensors(lambda t: t.to(device, non_blocking=True), value)
-
-
-class LocalTransport:
-    """Routes messages to the mailbox of the device holding the receiving stage.
-
-    Args:
-        placement: ``placement[s]`` is the device of model stage ``s``.
-        devices: the ``torch.device`` of each pipeline device; tensors are moved there on
-            receipt.
-    """
-
-    def __init__(self, placement: tuple[int, ...], devices: list[torch.device]) -> None:
-        self._placement = placement
-        self._devices = devices
-        self._boxes = [_Mailbox() for _ in devices]
-        self._caller = _Mailbox()
-
-    def _box(self, stage: int) -> _Mailbox:
-        if 0 <= stage < len(self._placement):
-            return self._boxes[self._placement[stage]]
-        return self._caller
-
-    def send(self, tag: Tag, value: Any) -> None:
-        """Deliver ``value`` to the receiver of ``tag``; never blocks."""
-        self._box(tag[1]).put(tag, value)
-
-    def recv(self, tag: Tag) -> Any:
-        """Wait for the message ``tag`` and return it on the receiving stage's device."""
-        value = self._box(tag[1]).take(tag)
-        return to_device(value, self._devices[self._placement[tag[1]]])
-
-    def collect(self, tag: Tag) -> Any:
-        """Take a message addressed to the caller (stage -1 or S) once a phase is over."""
-        return self._caller.take_ready(tag)
-
-    def abort(self) -> None:
-        """Wake every waiting receiver with :class:`Aborted`."""
-        for box in self._boxes:
-            box.abort()
-        self._caller.abort()

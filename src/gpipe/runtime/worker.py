@@ -5,65 +5,22 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
-from torch import nn
 
+from gpipe.analysis import Event
 from gpipe.batchnorm import recomputing
 from gpipe.checkpoint import checkpointed
 from gpipe.randomness import RandomProbe, seeded, stream_seed
-from gpipe.runtime.split_backward import WeightGradient, backward_input, backward_weight
-from gpipe.runtime.transport import ACTIVATION, GRADIENT, Aborted
-from gpipe.schedule.action import BACKWARD, FORWARD, Action
+from gpipe.runtime.split_backward import backward_input, backward_weight
+from gpipe.runtime.stages import Stages
+from gpipe.runtime.state import Saved, StepState
+from gpipe.runtime.transport import ACTIVATION, GRADIENT, Aborted, Transport
+from gpipe.schedule import BACKWARD, FORWARD, Action
 from gpipe.structure import leaves, map_tensors
-from gpipe.timeline import Event
 
-if TYPE_CHECKING:
-    from gpipe.runtime.step import Step
-
-__all__ = ["StageWorker", "Stages"]
-
-
-@dataclass
-class Stages:
-    """What stays the same from step to step: the stage modules and where they live.
-
-    Args:
-        modules: one module per model stage.
-        devices: one ``torch.device`` per pipeline device.
-        placement: ``placement[s]`` is the device index of stage ``s``.
-    """
-
-    modules: Sequence[nn.Module]
-    devices: list[torch.device]
-    placement: tuple[int, ...]
-    # Stages whose first layer writes its input in place (ReLU(inplace=True)...): their
-    # input is a leaf that needs a gradient, which autograd forbids modifying, so they get a
-    # copy. Found once, from the layers' ``inplace`` flags.
-    copies_input: list[bool] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        if not self.copies_input:
-            self.copies_input = [_writes_input(module) for module in self.modules]
-
-    # Whether a stage's forward draws random numbers, per (stage, training mode); learned
-    # from the first forward, which runs seeded and probed to be safe.
-    draws_random: dict[tuple[int, bool], bool] = field(default_factory=dict)
-    # Bytes a forward keeps for backward, per stage, training mode, input and target shapes
-    # and autocast: counted once per key (see StageWorker._forward_kept).
-    saved_bytes: dict[tuple[Any, ...], int] = field(default_factory=dict)
-
-
-@dataclass
-class _Saved:
-    """What one (stage, micro-batch) keeps between its forward and its backward."""
-
-    inputs: Any
-    outputs: Any  # the backward roots (outputs, or the weighted loss); None if checkpointed
-    nbytes: int
-    weight: WeightGradient | None = None  # set by B when W runs separately
+__all__ = ["StageWorker"]
 
 
 class _SavedBytes:
@@ -104,13 +61,6 @@ class _SavedBytes:
 
 
 _NOTHING: set[int] = set()
-
-
-def _writes_input(module: nn.Module) -> bool:
-    """Whether the first layer ``module`` runs modifies its input in place."""
-    while isinstance(module, nn.Sequential) and len(module) > 0:
-        module = module[0]
-    return bool(getattr(module, "inplace", False))
 
 
 def _as_leaves(value: Any) -> Any:
@@ -154,13 +104,21 @@ class StageWorker:
     Backward (B) receives the output gradient, recomputes the forward if it was
     checkpointed, and sends the input gradient back; it also computes weight gradients
     unless the schedule runs them as separate W actions.
+
+    Args:
+        stages: the stage modules and their placement.
+        device: the pipeline device whose actions this worker runs.
+        transport: what carries messages to and from the other stages.
+        state: the step being run.
     """
 
-    def __init__(self, step: Step, device: int) -> None:
-        self.step = step
+    def __init__(self, stages: Stages, device: int, transport: Transport, state: StepState) -> None:
+        self.stages = stages
         self.device = device
-        self.torch_device = step.stages.devices[device]
-        self.events: list[Event] = step.events[device]
+        self.transport = transport
+        self.state = state
+        self.torch_device = stages.devices[device]
+        self.events: list[Event] = state.events[device]
         self.held = 0  # bytes this device holds for backward right now
         self._params: dict[int, set[int]] = {}
         self._trainables: dict[int, list[torch.Tensor]] = {}
@@ -174,7 +132,7 @@ class StageWorker:
         )
         with on_device:
             for action in actions:
-                if self.step.failed:
+                if self.state.failed:
                     raise Aborted
                 try:
                     perform.get(action.kind, self.weight)(action)
@@ -185,35 +143,35 @@ class StageWorker:
     # -- the three actions -------------------------------------------------------------
 
     def forward(self, action: Action) -> None:
-        step, stage, mb = self.step, action.stage, action.microbatch
-        inputs = step.transport.recv((ACTIVATION, stage, mb))
+        step, stage, mb = self.state, action.stage, action.microbatch
+        inputs = self.transport.recv((ACTIVATION, stage, mb))
         start = time.perf_counter_ns()
         inputs = _as_leaves(inputs)
         if not step.grad:
             with torch.no_grad():
                 output, _ = self._run(stage, mb, inputs)
-            step.transport.send((ACTIVATION, stage + 1, mb), output)
+            self.transport.send((ACTIVATION, stage + 1, mb), output)
             self._record(action, start)
             return
         if checkpointed(step.checkpoint, mb, step.microbatches):
             with torch.no_grad():
                 output, root = self._run(stage, mb, inputs)
             kept = _SavedBytes(_NOTHING, inputs).nbytes if step.track_memory else 0
-            saved = _Saved(inputs, None, kept)
+            saved = Saved(inputs, None, kept)
         else:
             output, root, kept = self._forward_kept(stage, mb, inputs)
-            saved = _Saved(inputs, output if root is None else root, kept)
+            saved = Saved(inputs, output if root is None else root, kept)
         step.saved[stage, mb] = saved
         self.held += saved.nbytes
         if root is None:
-            step.transport.send((ACTIVATION, stage + 1, mb), _for_next_stage(output))
+            self.transport.send((ACTIVATION, stage + 1, mb), _for_next_stage(output))
         self._record(action, start)
 
     def backward(self, action: Action) -> None:
-        step, stage, mb = self.step, action.stage, action.microbatch
+        step, stage, mb = self.state, action.stage, action.microbatch
         saved = step.saved[stage, mb]
-        has_loss = step.loss is not None and stage == len(step.stages.modules) - 1
-        grads = None if has_loss else step.transport.recv((GRADIENT, stage, mb))
+        has_loss = step.loss is not None and stage == self.stages.last
+        grads = None if has_loss else self.transport.recv((GRADIENT, stage, mb))
         start = time.perf_counter_ns()
         peak = self.held
         if saved.outputs is None:  # re-materialize: same inputs, same random stream
@@ -221,7 +179,7 @@ class StageWorker:
                 output, root, kept = self._forward_kept(stage, mb, saved.inputs)
             saved.outputs = output if root is None else root
             peak += kept - saved.nbytes
-        if has_loss:
+        if grads is None:
             roots = [(saved.outputs, None)]
         else:
             roots = [
@@ -239,7 +197,7 @@ class StageWorker:
             found = [leaf.grad for leaf in wanted]
         if stage > 0 or wanted:
             found_iter = iter(found)
-            step.transport.send(
+            self.transport.send(
                 (GRADIENT, stage - 1, mb),
                 [None if leaf is None else next(found_iter) for leaf in inputs],
             )
@@ -248,7 +206,7 @@ class StageWorker:
         self._record(action, start, peak)
 
     def weight(self, action: Action) -> None:
-        step, stage, mb = self.step, action.stage, action.microbatch
+        step, stage, mb = self.state, action.stage, action.microbatch
         start = time.perf_counter_ns()
         weight = step.saved[stage, mb].weight
         if weight is not None:
@@ -268,12 +226,12 @@ class StageWorker:
         5 % of a tiny GPT's step when run on every micro-batch. A model whose saved tensors
         change with the data itself (not its shape) is counted by its first micro-batch.
         """
-        step = self.step
-        known = 0
+        step = self.state
+        known: int | None = 0
         if step.track_memory:
-            module = step.stages.modules[stage]
+            module = self.stages.module(stage)
             key = (stage, module.training, _shapes(inputs), self._target(stage, mb), *step.autocast)
-            known = step.stages.saved_bytes.get(key)
+            known = self.stages.saved_bytes.get(key)
         if known is not None:
             with torch.enable_grad():
                 output, root = self._run(stage, mb, inputs)
@@ -284,12 +242,12 @@ class StageWorker:
             torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack),
         ):
             output, root = self._run(stage, mb, inputs)
-        step.stages.saved_bytes[key] = counter.nbytes
+        self.stages.saved_bytes[key] = counter.nbytes
         return output, root, counter.nbytes
 
     def _target(self, stage: int, mb: int) -> Any:
-        loss = self.step.loss
-        if loss is None or stage != len(self.step.stages.modules) - 1:
+        loss = self.state.loss
+        if loss is None or stage != self.stages.last:
             return None
         return _shapes(loss.targets[mb])
 
@@ -298,11 +256,11 @@ class StageWorker:
 
         Runs on the (stage, micro-batch) random stream if the stage draws random numbers.
         """
-        step = self.step
-        module = step.stages.modules[stage]
-        loss = step.loss if stage == len(step.stages.modules) - 1 else None
+        step = self.state
+        module = self.stages.module(stage)
+        loss = step.loss if stage == self.stages.last else None
 
-        if step.grad and step.stages.copies_input[stage]:
+        if step.grad and self.stages.copies_input[stage]:
             # NOTE: also without autograd: a checkpointed micro-batch keeps this very input
             # to recompute from, so its first forward must not write into it.
             inputs = map_tensors(torch.Tensor.clone, inputs)
@@ -322,7 +280,7 @@ class StageWorker:
             return output, value * loss.weights[mb]
 
         key = (stage, module.training)
-        draws = step.stages.draws_random.get(key)
+        draws = self.stages.draws_random.get(key)
         if draws is False:
             return call()
         with seeded(self.torch_device, stream_seed(step.seed, stage, mb)):
@@ -331,23 +289,23 @@ class StageWorker:
             probe = RandomProbe()
             with probe:
                 result = call()
-            step.stages.draws_random[key] = probe.found
+            self.stages.draws_random[key] = probe.found
             return result
 
     def _release(self, stage: int, mb: int) -> None:
-        saved = self.step.saved.pop((stage, mb))
+        saved = self.state.saved.pop((stage, mb))
         self.held -= saved.nbytes
 
     def _trainable(self, stage: int) -> list[torch.Tensor]:
         """The stage's parameters that take gradients, listed once per step."""
         if stage not in self._trainables:
-            module = self.step.stages.modules[stage]
+            module = self.stages.module(stage)
             self._trainables[stage] = [p for p in module.parameters() if p.requires_grad]
         return self._trainables[stage]
 
     def _param_storages(self, stage: int) -> set[int]:
         if stage not in self._params:
-            module = self.step.stages.modules[stage]
+            module = self.stages.module(stage)
             tensors = [*module.parameters(), *module.buffers()]
             self._params[stage] = {t.data_ptr() for t in tensors}
         return self._params[stage]
@@ -357,7 +315,7 @@ class StageWorker:
             # NOTE: kernels run asynchronously; without waiting, the timeline would show when
             # work was queued, not when it ran.
             torch.cuda.current_stream(self.torch_device).synchronize()
-        origin = self.step.origin_ns
+        origin = self.state.origin_ns
         end_ns = time.perf_counter_ns()
         self.events.append(
             Event(

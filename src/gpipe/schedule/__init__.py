@@ -1,14 +1,6 @@
 """Schedules as data: actions, generators, and the checks and text forms built on them."""
 
-from gpipe.schedule.action import (
-    BACKWARD,
-    FORWARD,
-    KINDS,
-    WEIGHT,
-    Action,
-    Schedule,
-    dependencies,
-)
+from gpipe.schedule.action import BACKWARD, FORWARD, KINDS, WEIGHT, Action, dependencies
 from gpipe.schedule.generate import (
     SCHEDULES,
     gpipe,
@@ -17,8 +9,10 @@ from gpipe.schedule.generate import (
     one_f_one_b,
     zb_h1,
 )
+from gpipe.schedule.grid import format_grid
+from gpipe.schedule.schedule import Schedule, from_csv
 from gpipe.schedule.steps import Steps, run_in_steps
-from gpipe.schedule.text import format_grid, from_csv, to_csv
+from gpipe.schedule.text import to_csv
 from gpipe.schedule.validate import ScheduleError, validate
 
 __all__ = [

@@ -1,12 +1,11 @@
-"""Actions and schedules: a pipeline schedule is data, one ordered action list per device."""
+"""Actions: one unit of work (F, B or W of one micro-batch on one stage) and what it waits for."""
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-__all__ = ["BACKWARD", "FORWARD", "KINDS", "WEIGHT", "Action", "Schedule", "dependencies"]
+__all__ = ["BACKWARD", "FORWARD", "KINDS", "WEIGHT", "Action", "dependencies"]
 
 FORWARD = "F"  # forward of one micro-batch on one stage
 BACKWARD = "B"  # input gradient; also the weight gradient unless the schedule has W actions
@@ -74,105 +73,3 @@ def dependencies(action: Action, stages: int) -> tuple[Action, ...]:
             return (own, Action(BACKWARD, stage + 1, microbatch))
         return (own,)
     return (Action(BACKWARD, stage, microbatch),)
-
-
-def _round_robin(stages: int, devices: int) -> tuple[int, ...]:
-    return tuple(stage % devices for stage in range(stages))
-
-
-@dataclass(frozen=True)
-class Schedule:
-    """Per device, the ordered actions it runs in one training step.
-
-    Args:
-        name: the generator's name ("gpipe", "1f1b", ...).
-        actions: ``actions[d]`` is device ``d``'s action list, in execution order.
-        microbatches: M, the number of micro-batches in the step.
-        stages: the number of model stages (K·v with v virtual stages per device).
-        placement: ``placement[s]`` is the device holding stage ``s``; by default stage
-            ``s`` lives on device ``s % devices`` (Megatron's interleaved layout).
-    """
-
-    name: str
-    actions: tuple[tuple[Action, ...], ...]
-    microbatches: int
-    stages: int = -1
-    placement: tuple[int, ...] = field(default=())
-
-    def __post_init__(self) -> None:
-        actions = tuple(tuple(device_actions) for device_actions in self.actions)
-        object.__setattr__(self, "actions", actions)
-        if self.stages < 0:
-            object.__setattr__(self, "stages", len(actions))
-        if not self.placement:
-            object.__setattr__(self, "placement", _round_robin(self.stages, len(actions)))
-        if len(self.placement) != self.stages:
-            raise ValueError(
-                f"placement lists {len(self.placement)} stages but the schedule has {self.stages}"
-            )
-
-    @property
-    def devices(self) -> int:
-        """K, the number of devices (pipeline ranks)."""
-        return len(self.actions)
-
-    @property
-    def virtual_stages(self) -> int:
-        """v, the model stages held by each device."""
-        return self.stages // max(self.devices, 1)
-
-    @property
-    def split_backward(self) -> bool:
-        """Whether weight gradients run as separate W actions (zero-bubble)."""
-        return any(action.kind == WEIGHT for device in self.actions for action in device)
-
-    def stages_of(self, device: int) -> list[int]:
-        """The model stages held by ``device``, in increasing order."""
-        return [stage for stage, owner in enumerate(self.placement) if owner == device]
-
-    def __iter__(self) -> Iterator[tuple[int, Action]]:
-        """Yield ``(device, action)`` for every action, device by device."""
-        for device, device_actions in enumerate(self.actions):
-            for action in device_actions:
-                yield device, action
-
-    def __len__(self) -> int:
-        return sum(len(device_actions) for device_actions in self.actions)
-
-    def __str__(self) -> str:
-        """The step × device grid (see :func:`gpipe.schedule.format_grid`)."""
-        from gpipe.schedule.text import format_grid  # NOTE: lazy, text.py imports this module
-
-        return format_grid(self)
-
-    def to_csv(self) -> str:
-        """The schedule as CSV text, one row per device (see :func:`gpipe.schedule.to_csv`)."""
-        from gpipe.schedule.text import to_csv
-
-        return to_csv(self)
-
-    @classmethod
-    def from_csv(cls, text: str, name: str | None = None) -> Schedule:
-        """Read a schedule from CSV text (see :func:`gpipe.schedule.from_csv`)."""
-        from gpipe.schedule.text import from_csv
-
-        return from_csv(text, name=name)
-
-    def validate(self) -> None:
-        """Raise :class:`~gpipe.schedule.ScheduleError` unless the schedule can run.
-
-        See :func:`gpipe.schedule.validate`.
-        """
-        from gpipe.schedule.validate import validate
-
-        validate(self)
-
-    def only(self, kinds: Sequence[str]) -> Schedule:
-        """The same schedule keeping only actions of the given kinds (order preserved)."""
-        return Schedule(
-            self.name,
-            tuple(tuple(a for a in device if a.kind in kinds) for device in self.actions),
-            self.microbatches,
-            self.stages,
-            self.placement,
-        )

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from gpipe.schedule.action import BACKWARD, FORWARD, WEIGHT, Action, Schedule
+from gpipe.schedule.action import BACKWARD, FORWARD, WEIGHT, Action
+from gpipe.schedule.schedule import Schedule
 
 __all__ = ["SCHEDULES", "gpipe", "interleaved", "make_schedule", "one_f_one_b", "zb_h1"]
 
@@ -21,7 +22,7 @@ def _check(stages: int, microbatches: int) -> None:
         raise ValueError(f"microbatches must be >= 1, got {microbatches}")
 
 
-def gpipe(stages: int, microbatches: int) -> Schedule:
+def gpipe(stages: int, microbatches: int, *, virtual_stages: int = 1) -> Schedule:
     """GPipe fill-drain: every forward, then every backward in reverse micro-batch order.
 
     The backward runs the newest micro-batch first: its activations are the freshest, and
@@ -32,17 +33,31 @@ def gpipe(stages: int, microbatches: int) -> Schedule:
         1:     1F0 1F1 1F2 1F3         1B3 1B2 1B1 1B0
         2:         2F0 2F1 2F2 2F3 2B3 2B2 2B1 2B0
 
+    With v virtual stages per device (device ``d`` holds ``d, d+K, ...``), each device runs
+    its stages' forwards in increasing stage order and their backwards in decreasing order:
+    what ``pipe(x)`` runs on an interleaved pipe.
+
     Args:
-        stages: K, one stage per device.
+        stages: K, the number of devices.
         microbatches: M.
+        virtual_stages: v, model stages per device.
     """
     _check(stages, microbatches)
-    forward = [[Action(FORWARD, k, i) for i in range(microbatches)] for k in range(stages)]
-    backward = [
-        [Action(BACKWARD, k, i) for i in reversed(range(microbatches))] for k in range(stages)
-    ]
-    actions = tuple(tuple(f + b) for f, b in zip(forward, backward))
-    return Schedule("gpipe", actions, microbatches)
+    if virtual_stages < 1:
+        raise ValueError(f"virtual_stages must be >= 1, got {virtual_stages}")
+    count = stages * virtual_stages
+    actions = []
+    for device in range(stages):
+        held = range(device, count, stages)
+        forward = [Action(FORWARD, s, i) for s in held for i in range(microbatches)]
+        backward = [
+            Action(BACKWARD, s, i) for s in reversed(held) for i in reversed(range(microbatches))
+        ]
+        actions.append(tuple(forward + backward))
+    return Schedule("gpipe", tuple(actions), microbatches, count)
+
+
+gpipe.virtual = True  # type: ignore[attr-defined]
 
 
 def _one_f_one_b_order(

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from gpipe.schedule.action import Action, Schedule, dependencies
+from gpipe.schedule.action import Action, dependencies
+
+if TYPE_CHECKING:
+    from gpipe.schedule.schedule import Schedule
 
 __all__ = ["Steps", "run_in_steps"]
 

@@ -1,4 +1,4 @@
-"""Text forms of a schedule: the step × device grid, and CSV to save, edit and load.
+"""The CSV form of a schedule, to save, edit and load.
 
 The CSV form has one row per device, holding that device's actions in order as compact
 action texts (``2F0`` = stage 2, forward, micro-batch 0). Empty cells are ignored, so rows
@@ -18,67 +18,15 @@ seen, and each stage lives on the device whose row runs it::
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from gpipe.schedule.action import Action, Schedule
-from gpipe.schedule.steps import run_in_steps
+from gpipe.schedule.action import Action
 
-__all__ = ["format_grid", "from_csv", "to_csv"]
+if TYPE_CHECKING:
+    from gpipe.schedule.schedule import Schedule
 
-
-def format_grid(schedule: Schedule, mark: Iterable[tuple[int, int]] = ()) -> str:
-    """The schedule as a table: one row per unit-time step, one column per device.
-
-    Steps come from :func:`~gpipe.schedule.steps.run_in_steps`: a device runs its next action
-    as soon as the actions it depends on ran in an earlier step; an idle cell is blank. If
-    the devices get stuck, a last row ``stuck`` shows the action each unfinished device
-    waits at. For a 1F1B schedule with 2 devices and 2 micro-batches::
-
-        step  0    1
-           0  0F0
-           1  0F1  1F0
-           2       1B0
-           3  0B0  1F1
-           4       1B1
-           5  0B1
-
-    Args:
-        schedule: any schedule, valid or not.
-        mark: ``(device, position)`` cells to highlight as ``>2F0<``, where ``position``
-            indexes the device's action list (the validator marks what it rejects).
-
-    Returns:
-        The table, lines joined by newlines, without a trailing newline.
-    """
-    marked = set(mark)
-    steps = run_in_steps(schedule)
-
-    def cell(device: int, position: int | None) -> str:
-        if position is None:
-            return ""
-        text = str(schedule.actions[device][position])
-        return f">{text}<" if (device, position) in marked else text
-
-    table = [["step", *(str(d) for d in range(schedule.devices))]]
-    for t, row in enumerate(steps.rows):
-        table.append([str(t), *(cell(d, p) for d, p in enumerate(row))])
-    if not steps.finished(schedule):
-        stuck = [
-            cell(d, p) if p < len(schedule.actions[d]) else "" for d, p in enumerate(steps.next)
-        ]
-        table.append(["stuck", *stuck])
-    # NOTE: marked cells are two characters wider; pad plain cells by one on the left so
-    # the action texts of a column still line up under each other.
-    padded = [
-        [row[0]] + [f" {c}" if c and not c.startswith(">") else c for c in row[1:]] for row in table
-    ]
-    widths = [max(len(row[c]) for row in padded) for c in range(len(padded[0]))]
-    lines = []
-    for row in padded:
-        first = row[0].rjust(widths[0])
-        rest = [c.ljust(w) for c, w in zip(row[1:], widths[1:])]
-        lines.append("  ".join([first, *rest]).rstrip())
-    return "\n".join(lines)
+__all__ = ["CsvMeta", "parse_csv", "to_csv"]
 
 
 def to_csv(schedule: Schedule) -> str:
@@ -88,7 +36,7 @@ def to_csv(schedule: Schedule) -> str:
         schedule: the schedule to write.
 
     Returns:
-        The CSV text, ending with a newline; :func:`from_csv` reads it back unchanged.
+        The CSV text, ending with a newline; ``Schedule.from_csv`` reads it back unchanged.
     """
     lines = [
         f"# name: {schedule.name}",
@@ -100,15 +48,20 @@ def to_csv(schedule: Schedule) -> str:
     return "\n".join(lines) + "\n"
 
 
-def from_csv(text: str, name: str | None = None) -> Schedule:
-    """Read the CSV form described in this module's docstring.
+@dataclass(frozen=True)
+class CsvMeta:
+    """What the ``#`` lines of a CSV schedule say, with the gaps filled from its rows."""
 
-    Args:
-        text: the CSV text, with or without ``#`` metadata lines.
-        name: the schedule's name; overrides a ``# name:`` line.
+    name: str
+    microbatches: int
+    stages: int
+    placement: tuple[int, ...]
 
-    Returns:
-        The schedule. It is not validated; call :func:`~gpipe.schedule.validate` for that.
+
+def parse_csv(text: str) -> tuple[list[list[Action]], CsvMeta]:
+    """The rows and metadata of the CSV form described in this module's docstring.
+
+    :meth:`Schedule.from_csv <gpipe.schedule.Schedule.from_csv>` builds the schedule from them.
 
     Raises:
         ValueError: an unparsable action or metadata line, or a stage whose device cannot
@@ -135,7 +88,7 @@ def from_csv(text: str, name: str | None = None) -> Schedule:
         placement = tuple(int(d) for d in meta["placement"].split())
     else:
         placement = _infer_placement(rows, stages)
-    return Schedule(name or meta.get("name", "csv"), rows, microbatches, stages, placement)
+    return rows, CsvMeta(meta.get("name", "csv"), microbatches, stages, placement)
 
 
 def _infer_placement(rows: list[list[Action]], stages: int) -> tuple[int, ...]:

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
-from gpipe.schedule.action import BACKWARD, FORWARD, KINDS, WEIGHT, Action, Schedule, dependencies
+from typing import TYPE_CHECKING
+
+from gpipe.schedule.action import BACKWARD, FORWARD, KINDS, WEIGHT, Action, dependencies
+from gpipe.schedule.grid import format_grid
 from gpipe.schedule.steps import run_in_steps
-from gpipe.schedule.text import format_grid
+
+if TYPE_CHECKING:
+    from gpipe.schedule.schedule import Schedule
 
 __all__ = ["ScheduleError", "validate"]
 

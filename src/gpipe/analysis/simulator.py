@@ -8,19 +8,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from gpipe.checkpoint import checkpointed
-from gpipe.schedule.action import BACKWARD, FORWARD, WEIGHT, Schedule
-from gpipe.schedule.validate import ScheduleError, validate
-from gpipe.timeline import Event, Timeline
+from gpipe.analysis.timeline import Event, Timeline
+from gpipe.schedule import BACKWARD, FORWARD, WEIGHT, Schedule, ScheduleError, validate
 
-__all__ = [
-    "BUBBLE_FORMULAS",
-    "Costs",
-    "activation_peaks",
-    "bubble_formula",
-    "costs_from_timeline",
-    "simulate",
-]
+__all__ = ["Costs", "costs_from_timeline", "simulate"]
 
 PerStage = float | Sequence[float]
 
@@ -133,7 +124,7 @@ def _simulate(schedule: Schedule, costs: Costs) -> Timeline:
     events: list[list[Event]] = [[] for _ in range(devices)]
     position = [0] * devices
     free_at = [0.0] * devices
-    held = [0] * devices
+    held = [0.0] * devices
     # A device blocks on one missing result at a time; waiting maps that result's key to
     # the device, so finishing it wakes exactly the device that needs it.
     waiting: dict[int, int] = {}
@@ -150,6 +141,7 @@ def _simulate(schedule: Schedule, costs: Costs) -> Timeline:
                 raise _invalid(schedule)
             index = stage * microbatches + i
             # What the action waits for: (finish-time key, extra wait for a transfer).
+            deps: tuple[tuple[int, float], ...]
             if kind == FORWARD:
                 deps = ((index - microbatches, from_previous[stage]),) if stage else ()
                 duration = forward[stage]
@@ -228,74 +220,3 @@ def costs_from_timeline(timeline: Timeline, stages: int | None = None) -> Costs:
         return [statistics.median(d) if d else 0.0 for d in durations[kind]]
 
     return Costs(forward=medians(FORWARD), backward=medians(BACKWARD), weight=medians(WEIGHT))
-
-
-def bubble_formula(name: str, stages: int, microbatches: int, virtual_stages: int) -> float | None:
-    """The closed-form bubble fraction with equal costs, where one is known.
-
-    GPipe and 1F1B: ``(K-1)/(M+K-1)``. Interleaved 1F1B: ``(K-1)/(v·M+K-1)`` when K divides M
-    (Megatron-LM's groups of K micro-batches). ZB-H1 with F = B = W: ``(K-1)/(3M+K-1)`` once
-    ``M >= K`` fills its steady state.
-
-    Args:
-        name: the schedule's name.
-        stages: K.
-        microbatches: M.
-        virtual_stages: v (interleaved only).
-
-    Returns:
-        The bubble fraction, or None where no formula applies.
-    """
-    k, m, v = stages, microbatches, virtual_stages
-    if name in ("gpipe", "1f1b"):
-        return (k - 1) / (m + k - 1)
-    if name == "interleaved" and (v == 1 or m % k == 0):
-        return (k - 1) / (v * m + k - 1)
-    if name == "zb-h1" and m >= k:
-        return (k - 1) / (3 * m + k - 1)
-    return None
-
-
-BUBBLE_FORMULAS = {
-    "gpipe": "(K-1)/(M+K-1)",
-    "1f1b": "(K-1)/(M+K-1)",
-    "interleaved": "(K-1)/(v*M+K-1), when K divides M",
-    "zb-h1": "(K-1)/(3M+K-1) with F=B=W, when M >= K",
-}
-
-
-def activation_peaks(
-    schedule: Schedule, full: list[int], kept: list[int], checkpoint: str
-) -> list[int]:
-    """Per device, the most activation bytes held, walking its actions as the runtime does.
-
-    Finer than :func:`simulate`'s memory, which knows no re-materialization: this is what
-    the planner predicts and ``balance="memory"`` weighs.
-
-    A forward keeps the stage's activations (``full``), or only its input (``kept``) when the
-    micro-batch is checkpointed; the backward of a checkpointed micro-batch holds its full
-    activations again while it recomputes; B frees, or W in schedules that split them.
-
-    Args:
-        schedule: the schedule.
-        full: per model stage, what one micro-batch keeps without re-materialization.
-        kept: per model stage, what a checkpointed micro-batch keeps (its stage input).
-        checkpoint: the re-materialization mode.
-    """
-    frees = WEIGHT if schedule.split_backward else BACKWARD
-    peaks = []
-    for actions in schedule.actions:
-        held = peak = 0
-        for action in actions:
-            s, i = action.stage, action.microbatch
-            again = checkpointed(checkpoint, i, schedule.microbatches)
-            size = kept[s] if again else full[s]
-            if action.kind == FORWARD:
-                held += size
-                peak = max(peak, held)
-            elif action.kind == BACKWARD and again:
-                peak = max(peak, held + full[s] - kept[s])
-            if action.kind == frees:
-                held -= size
-        peaks.append(peak)
-    return peaks

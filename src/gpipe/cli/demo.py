@@ -6,13 +6,8 @@ import argparse
 import os
 import time
 
-import torch
-from tqdm import tqdm
-
-from gpipe.models import GPTConfig, gpt, gpt_loss, synthetic_tokens
-from gpipe.pipe import GPipe
+from gpipe.analysis import BUBBLE_FORMULAS, bubble_formula
 from gpipe.schedule import SCHEDULES
-from gpipe.simulate import BUBBLE_FORMULAS, bubble_formula
 
 __all__ = ["add_arguments", "run"]
 
@@ -35,6 +30,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Train, print the loss as it falls, then the last step's timeline and its bubble."""
+    import torch
+    from tqdm import tqdm
+
+    from gpipe.models import GPTConfig, gpt, gpt_loss, synthetic_tokens
+    from gpipe.pipe import GPipe
+
     torch.manual_seed(args.seed)
     # NOTE: one intra-op thread per stage worker: the workers are the parallelism, and more
     # threads than cores would make every stage slower.
@@ -84,9 +85,10 @@ def run(args: argparse.Namespace) -> int:
         f"{BUBBLE_FORMULAS[args.schedule]} = {shown}, "
         f"simulated with this step's measured stage costs {predicted.bubble:.3f}"
     )
-    if os.cpu_count() and os.cpu_count() < k:  # type: ignore[operator]
+    cores = os.cpu_count() or 1
+    if cores < k:
         print(
-            f"(the {k} stages share {os.cpu_count()} CPU cores here, so stages slow each "
+            f"(the {k} stages share {cores} CPU cores here, so stages slow each "
             "other down; on one device per stage they would not)"
         )
     if args.plot:

@@ -11,12 +11,10 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-from torch import nn
-
-from gpipe.planner import DEFAULT_CHECKPOINTS, DEFAULT_SCHEDULES, plan
+if TYPE_CHECKING:
+    from torch import nn
 
 __all__ = ["add_arguments", "run"]
 
@@ -61,13 +59,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--schedules",
-        default=",".join(DEFAULT_SCHEDULES),
-        help="comma-separated schedules to consider",
+        default=None,
+        help="comma-separated schedules to consider (default: gpipe,1f1b,interleaved,zb-h1)",
     )
     parser.add_argument(
         "--checkpoints",
-        default=",".join(DEFAULT_CHECKPOINTS),
-        help="comma-separated checkpoint modes to consider",
+        default=None,
+        help="comma-separated checkpoint modes to consider (default: all three)",
     )
     parser.add_argument("--top", type=int, default=5, help="plans to rank (default 5)")
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per layer")
@@ -76,6 +74,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``gpipe plan``: print the report and a RESULT line; 2 on bad input."""
+    from gpipe.planning.planner import DEFAULT_CHECKPOINTS, DEFAULT_SCHEDULES, plan
+
+    schedules = args.schedules.split(",") if args.schedules else list(DEFAULT_SCHEDULES)
+    checkpoints = args.checkpoints.split(",") if args.checkpoints else list(DEFAULT_CHECKPOINTS)
     try:
         model, sample, loss_fn, target = _load_model(args.model, args.sample_shape)
         if args.stages is not None:
@@ -91,9 +93,9 @@ def run(args: argparse.Namespace) -> int:
             optimizer=args.optimizer,
             loss_fn=loss_fn,
             target=target,
-            schedules=args.schedules.split(","),
+            schedules=schedules,
             chunks=None if args.chunks is None else [int(c) for c in args.chunks.split(",")],
-            checkpoints=args.checkpoints.split(","),
+            checkpoints=checkpoints,
             top=args.top,
             progress=not args.no_progress,
             repeats=args.repeats,
@@ -116,6 +118,8 @@ def run(args: argparse.Namespace) -> int:
 
 def _load_model(spec: str | None, shape: str | None) -> tuple[nn.Sequential, Any, Any, Any]:
     """The model, a sample, and a loss and targets (the built-in GPT only)."""
+    import torch
+
     if spec is None:
         from gpipe.models import GPTConfig, gpt, gpt_loss, synthetic_tokens
 

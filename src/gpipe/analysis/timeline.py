@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gpipe.schedule.action import Action
+from gpipe.schedule import Action
 
 __all__ = ["Event", "Timeline"]
 
@@ -23,7 +23,7 @@ class Event:
     action: Action
     start: float
     end: float
-    memory: int = 0
+    memory: float = 0
 
     @property
     def duration(self) -> float:
@@ -31,7 +31,7 @@ class Event:
 
     @property
     def kind(self) -> str:
-        """"F", "B" or "W" (the action's kind)."""
+        """ "F", "B" or "W" (the action's kind)."""
         return self.action.kind
 
     @property
@@ -91,7 +91,7 @@ class Timeline:
         return 1.0 - sum(self.busy) / (self.devices * span)
 
     @property
-    def peak_memory(self) -> list[int]:
+    def peak_memory(self) -> list[float]:
         """Per device, the most bytes held for backward at any moment."""
         return [max((e.memory for e in device), default=0) for device in self.events]
 
@@ -102,18 +102,18 @@ class Timeline:
     def __str__(self) -> str:
         """The terminal chart, without colour so the text is the same wherever it goes."""
         # NOTE: imported on use, so loading timelines never loads the drawing code.
-        from gpipe.trace import format_chart
+        from gpipe.analysis.chart import format_chart
 
         return format_chart(self, color=False)
 
     def plot(self, path: str | os.PathLike[str], **kwargs: Any) -> Path:
-        """Save a PNG Gantt chart; see :func:`gpipe.trace.plot` for the keyword arguments."""
-        from gpipe.trace import plot
+        """Save a PNG Gantt chart; see :func:`gpipe.analysis.plot.plot` for its keywords."""
+        from gpipe.analysis.plot import plot
 
         return plot(self, path, **kwargs)
 
     def to_chrome_trace(self, path: str | os.PathLike[str] | None = None) -> dict[str, Any]:
         """The Chrome/Perfetto trace dict, also written as JSON to ``path`` when given."""
-        from gpipe.trace import to_chrome_trace
+        from gpipe.analysis.perfetto import to_chrome_trace
 
         return to_chrome_trace(self, path)

@@ -26,12 +26,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from gpipe.analysis import Costs, activation_peaks, simulate
 from gpipe.balance import balance_costs
+from gpipe.balance.profiler import Profile, profile
 from gpipe.checkpoint import check_checkpoint
-from gpipe.plan_report import Plan, PlanReport, Rejection
-from gpipe.profiler import Profile, profile
+from gpipe.planning.report import Plan, PlanReport, Rejection
 from gpipe.schedule import SCHEDULES, make_schedule
-from gpipe.simulate import Costs, activation_peaks, simulate
 from gpipe.structure import map_tensors
 from gpipe.units import format_bytes, parse_bytes
 

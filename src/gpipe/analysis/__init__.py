@@ -1,0 +1,22 @@
+"""Torch-free analysis: simulate a schedule, hold and draw timelines, model memory and bubbles.
+
+The simulator and the runtime both produce a :class:`Timeline`; the chart, the PNG and the
+Perfetto trace draw either one the same way.
+"""
+
+from gpipe.analysis.formulas import BUBBLE_FORMULAS, bubble_formula
+from gpipe.analysis.memory import activation_peaks, kept_microbatches
+from gpipe.analysis.simulator import Costs, costs_from_timeline, simulate
+from gpipe.analysis.timeline import Event, Timeline
+
+__all__ = [
+    "BUBBLE_FORMULAS",
+    "Costs",
+    "Event",
+    "Timeline",
+    "activation_peaks",
+    "bubble_formula",
+    "costs_from_timeline",
+    "kept_microbatches",
+    "simulate",
+]

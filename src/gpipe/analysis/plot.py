@@ -1,0 +1,166 @@
+"""The PNG Gantt chart of a timeline (matplotlib), with measured and predicted panels."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from gpipe.analysis.labels import KIND_NAMES, format_memory, format_time, kinds_in
+from gpipe.schedule import BACKWARD, FORWARD, WEIGHT
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+
+    from gpipe.analysis.timeline import Timeline
+
+__all__ = ["plot"]
+
+# One colour per kind; later virtual stages of a device are drawn lighter.
+_PLOT_COLOR = {FORWARD: "#4c72b0", BACKWARD: "#55a868", WEIGHT: "#dd8452"}
+_FIG_WIDTH = 12.0  # inches
+_DPI = 100
+
+
+def plot(
+    timeline: Timeline,
+    path: str | os.PathLike[str],
+    *,
+    title: str | None = None,
+    compare: Timeline | None = None,
+) -> Path:
+    """Save ``timeline`` as a PNG Gantt chart: a row per device, bars coloured by kind.
+
+    Bars carry their micro-batch label when it fits. Later virtual stages of a device (the
+    chunks of interleaved schedules) are drawn in a lighter shade of their kind's colour.
+    The figure is drawn with matplotlib's Agg canvas directly, so the caller's pyplot
+    backend is left alone.
+
+    Args:
+        timeline: the timeline to draw, e.g. a measured one.
+        path: where to write the PNG; missing parent folders are created.
+        title: the figure's title; by default the schedule's name.
+        compare: a second timeline, e.g. the simulator's prediction for the same schedule,
+            drawn as a panel underneath on the same time axis ("measured vs predicted").
+
+    Returns:
+        The path written.
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    panels = [timeline] if compare is None else [timeline, compare]
+    memory = any(timeline.peak_memory)
+    heights = [max(1.6, 0.32 * p.devices + 0.9) for p in panels] + ([2.0] if memory else [])
+    figure = Figure(figsize=(_FIG_WIDTH, sum(heights) + 0.6), dpi=_DPI, layout="constrained")
+    FigureCanvasAgg(figure)
+    axes = figure.subplots(len(heights), 1, sharex=True, height_ratios=heights, squeeze=False)
+    span = max(p.makespan for p in panels) or 1.0
+    names = [_panel_name(timeline), "predicted"]
+    for ax, panel, name in zip(axes[:, 0], panels, names):
+        _draw_gantt(ax, panel, span, name, first=ax is axes[0, 0])
+    if memory:
+        _draw_memory(axes[-1, 0], timeline)
+    axes[-1, 0].set_xlabel("time (s)" if timeline.unit == "s" else f"time ({timeline.unit})")
+    axes[-1, 0].set_xlim(0, span * 1.01)
+    figure.suptitle(title or timeline.schedule or "timeline", fontsize=12)
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(out, format="png")
+    return out
+
+
+def _panel_name(timeline: Timeline) -> str:
+    return "measured" if timeline.unit == "s" else "simulated"
+
+
+def _draw_gantt(ax: Axes, timeline: Timeline, span: float, name: str, *, first: bool) -> None:
+    from matplotlib.colors import to_rgb
+    from matplotlib.patches import Patch
+
+    devices = timeline.devices
+    chunks = 1 + max(
+        (e.action.stage // max(devices, 1) for d in timeline.events for e in d), default=0
+    )
+    # Label when the text fits the bar: about 0.6 em per character at 7 pt.
+    points_per_unit = _FIG_WIDTH * 72 * 0.9 / span
+    char_points = 7 * 0.62
+    origin = timeline.start
+    shortest = min((e.duration for d in timeline.events for e in d), default=0.0)
+    # White edges separate bars, but would drown bars only a few points wide.
+    edge = 0.4 if shortest * points_per_unit > 4 else 0.0
+    for device, events in enumerate(timeline.events):
+        bars: dict[tuple[str, int], list[tuple[float, float]]] = {}
+        for e in events:
+            chunk = e.action.stage // max(devices, 1)
+            bars.setdefault((e.action.kind, chunk), []).append((e.start - origin, e.duration))
+            label = f"{e.action.kind}{e.action.microbatch}"
+            if e.duration * points_per_unit < char_points * len(label) + 2:
+                label = str(e.action.microbatch)
+            if e.duration * points_per_unit >= char_points * len(label) + 2:
+                ax.text(
+                    e.start - origin + e.duration / 2,
+                    device,
+                    label,
+                    ha="center",
+                    va="center",
+                    fontsize=7,
+                    color="white" if chunk == 0 else "black",
+                )
+        for (kind, chunk), spans in bars.items():
+            rgb = to_rgb(_PLOT_COLOR[kind])
+            light = 0.55 * chunk / max(chunks - 1, 1)
+            shade = tuple(c + (1 - c) * light for c in rgb)
+            ax.broken_barh(
+                spans, (device - 0.4, 0.8), facecolors=shade, edgecolors="white", linewidths=edge
+            )
+    ax.set_ylim(max(devices, 1) - 0.5, -0.5)  # device 0 on top, as in the terminal chart
+    ax.set_yticks(range(devices), [f"dev {d}" for d in range(devices)], fontsize=8)
+    ax.set_title(
+        f"{name}: makespan {format_time(timeline.makespan, timeline.unit)}, "
+        f"bubble {timeline.bubble:.1%}",
+        loc="left",
+        fontsize=10,
+    )
+    ax.grid(axis="x", alpha=0.3)
+    if first:
+        handles = [Patch(color=_PLOT_COLOR[k], label=KIND_NAMES[k]) for k in kinds_in(timeline)]
+        if chunks > 1:
+            handles.append(Patch(color="#d0d0d0", label="lighter: later virtual stage"))
+        ax.legend(
+            handles=handles,
+            loc="lower right",
+            bbox_to_anchor=(1.0, 1.0),
+            ncols=3,
+            fontsize=8,
+            frameon=False,
+        )
+
+
+def _draw_memory(ax: Axes, timeline: Timeline) -> None:
+    from matplotlib import colormaps
+    from matplotlib.ticker import FuncFormatter
+
+    origin = timeline.start
+    # Past ten devices the default colour cycle repeats; a gradient keeps them in order.
+    palette = colormaps["viridis"] if timeline.devices > 10 else colormaps["tab10"]
+    for device, events in enumerate(timeline.events):
+        if not events:
+            continue
+        # What an action holds stays held until the next action changes it.
+        xs = [e.start - origin for e in events] + [events[-1].end - origin]
+        ys = [e.memory for e in events] + [events[-1].memory]
+        shade = device / max(timeline.devices - 1, 1) if timeline.devices > 10 else device
+        ax.step(xs, ys, where="post", linewidth=1.0, label=f"dev {device}", color=palette(shade))
+    ax.set_ylim(bottom=0)
+    ax.set_ylabel("memory", fontsize=8)
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: format_memory(v, timeline.unit)))
+    ax.set_title("held for backward, per device", loc="left", fontsize=10)
+    ax.legend(
+        fontsize=6,
+        ncols=min(timeline.devices, 8),
+        loc="lower right",
+        bbox_to_anchor=(1.0, 1.0),
+        frameon=False,
+    )
+    ax.grid(alpha=0.3)

@@ -1,0 +1,79 @@
+"""One step's settings, and what its workers share while it runs."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from gpipe.analysis import Event
+from gpipe.runtime.split_backward import WeightGradient
+
+__all__ = ["Loss", "Saved", "StepState"]
+
+
+@dataclass
+class Loss:
+    """The loss computed on the last stage: ``fn(output, targets[i]) * weights[i]``."""
+
+    fn: Callable[[Any, Any], torch.Tensor]
+    targets: list[Any]
+    weights: list[float]
+
+
+@dataclass
+class Saved:
+    """What one (stage, micro-batch) keeps between its forward and its backward."""
+
+    inputs: Any
+    outputs: Any  # the backward roots (outputs, or the weighted loss); None if checkpointed
+    nbytes: int
+    weight: WeightGradient | None = None  # set by B when W runs separately
+
+
+@dataclass
+class StepState:
+    """The settings of one step and the state its workers share.
+
+    Args:
+        microbatches: M, the number of micro-batches in this step.
+        devices: K, the number of pipeline devices (one event list each).
+        grad: whether the step builds autograd graphs (training) or only runs forward.
+        checkpoint: the re-materialization mode.
+        seed: the step's random seed (see :mod:`gpipe.randomness`).
+        loss: the loss to compute on the last stage (train_step), or None.
+        split_backward: run weight gradients as separate W actions (zero-bubble).
+        track_memory: count the bytes each device holds for backward.
+    """
+
+    microbatches: int
+    devices: int
+    grad: bool
+    checkpoint: str
+    seed: int
+    loss: Loss | None = None
+    split_backward: bool = False
+    track_memory: bool = True
+    # The caller's autocast, which worker threads do not inherit: (device type, dtype).
+    autocast: list[tuple[str, torch.dtype]] = field(default_factory=list)
+    saved: dict[tuple[int, int], Saved] = field(default_factory=dict)
+    losses: list[torch.Tensor | None] = field(default_factory=list)
+    events: list[list[Event]] = field(default_factory=list)
+    failed: bool = False  # set at the first failure: workers stop before their next action
+    origin_ns: int = field(default_factory=time.perf_counter_ns)
+
+    def __post_init__(self) -> None:
+        self.losses = [None] * self.microbatches
+        self.events = [[] for _ in range(self.devices)]
+
+
+def caller_autocast(devices: list[torch.device]) -> list[tuple[str, torch.dtype]]:
+    """The autocast the calling thread has on, per device type the pipe uses."""
+    return [
+        (kind, torch.get_autocast_dtype(kind))
+        for kind in sorted({d.type for d in devices} | {"cpu"})
+        if torch.is_autocast_enabled(kind)
+    ]
