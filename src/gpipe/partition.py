@@ -1,13 +1,47 @@
-"""Partitions: cut an nn.Sequential into consecutive stages, one nn.Sequential each."""
+"""Partitions: cut an nn.Sequential into consecutive stages, each knowing its layers' places."""
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager
+from typing import Any
 
 from torch import nn
 
-__all__ = ["check_balance", "split_module"]
+__all__ = ["Partition", "check_balance", "split_module"]
+
+# What runs around each layer call: given the layer's position in the user's model, a context
+# manager (gpipe.randomness sets the layer's random stream there). None: nothing.
+LayerScope = Callable[[int], AbstractContextManager[Any]]
+
+
+class Partition(nn.Sequential):
+    """One stage: an nn.Sequential of the user's own layers that knows where each came from.
+
+    ``positions[i]`` is the index in the user's model of the stage's ``i``-th layer, so
+    anything keyed by layer (random streams, above all) is the same whichever stage a layer
+    lands on. Layer names are the user's, so ``state_dict`` keys read as in their model.
+    """
+
+    def __init__(self, layers: Sequence[tuple[str, nn.Module]], positions: Sequence[int]) -> None:
+        super().__init__(OrderedDict(layers))
+        self.positions = list(positions)
+        self.layer_scope: LayerScope | None = None
+
+    def forward(self, input: Any) -> Any:
+        scope = self.layer_scope
+        if scope is None:
+            for layer in self._modules.values():
+                input = layer(input)
+            return input
+        for position, layer in zip(self.positions, self._modules.values()):
+            with scope(position):
+                input = layer(input)
+        return input
+
+    def __iter__(self) -> Iterator[nn.Module]:
+        return iter(self._modules.values())
 
 
 def check_balance(module: nn.Sequential, balance: Sequence[int]) -> list[int]:
@@ -34,7 +68,7 @@ def check_balance(module: nn.Sequential, balance: Sequence[int]) -> list[int]:
 
 
 def split_module(module: nn.Sequential, balance: Sequence[int]) -> nn.ModuleList:
-    """The stages: one nn.Sequential per entry of ``balance``, holding the user's own layers.
+    """The stages: one :class:`Partition` per entry of ``balance``, holding the user's layers.
 
     Layer names are kept, so ``state_dict`` keys of a stage read as in the user's model.
     """
@@ -43,6 +77,6 @@ def split_module(module: nn.Sequential, balance: Sequence[int]) -> nn.ModuleList
     stages = nn.ModuleList()
     start = 0
     for size in balance:
-        stages.append(nn.Sequential(OrderedDict(named[start : start + size])))
+        stages.append(Partition(named[start : start + size], range(start, start + size)))
         start += size
     return stages
