@@ -17,7 +17,12 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-__all__ = ["DeferredBatchNorm", "convert_deferred_batch_norm", "recomputing"]
+__all__ = [
+    "DeferredBatchNorm",
+    "convert_deferred_batch_norm",
+    "recomputing",
+    "refuse_reused_batch_norm",
+]
 
 _state = threading.local()
 
@@ -93,6 +98,40 @@ class DeferredBatchNorm(nn.modules.batchnorm._BatchNorm):
         self.sum.zero_()
         self.sum_squares.zero_()
         self.counted = 0
+
+
+def refuse_reused_batch_norm(module: nn.Module) -> None:
+    """Refuse a BatchNorm layer object the model uses at more than one place.
+
+    Plain training updates such a layer's running statistics once per use; a deferred one
+    would fold every use into one update per step, and converting it would replace only its
+    first use. Each use needs its own layer.
+
+    Raises:
+        ValueError: a BatchNorm is used twice; the message names its positions.
+    """
+    uses: dict[int, list[str]] = {}
+    norms: dict[int, nn.Module] = {}
+
+    def walk(parent: nn.Module, prefix: str) -> None:
+        for name, child in parent._modules.items():
+            if child is None:
+                continue
+            path = f"{prefix}{name}"
+            if isinstance(child, nn.modules.batchnorm._BatchNorm):
+                uses.setdefault(id(child), []).append(path)
+                norms[id(child)] = child
+            walk(child, path + ".")
+
+    walk(module, "")
+    for key, paths in uses.items():
+        if len(paths) > 1:
+            raise ValueError(
+                f"the {type(norms[key]).__name__} at positions {' and '.join(paths)} is one "
+                "layer used twice: plain training updates its running statistics once per "
+                "use, deferred_batch_norm once per step, so they would differ; give each use "
+                "its own BatchNorm"
+            )
 
 
 def convert_deferred_batch_norm(module: nn.Module) -> nn.Module:

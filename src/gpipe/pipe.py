@@ -11,10 +11,14 @@ from torch import nn
 
 from gpipe.analysis import Costs, Timeline, kept_microbatches, simulate
 from gpipe.balance import balance_by_memory, balance_by_params, balance_by_time
-from gpipe.batchnorm import DeferredBatchNorm, convert_deferred_batch_norm
+from gpipe.batchnorm import (
+    DeferredBatchNorm,
+    convert_deferred_batch_norm,
+    refuse_reused_batch_norm,
+)
 from gpipe.checkpoint import check_checkpoint
 from gpipe.microbatch import batch_size, gather, scatter
-from gpipe.partition import check_balance, split_module
+from gpipe.partition import check_balance, check_shared_placement, split_module
 from gpipe.randomness import draw_step_seed
 from gpipe.runtime.caller import PipelineBackward, backward_into_input, to_stage
 from gpipe.runtime.mailbox import LocalTransport
@@ -81,7 +85,8 @@ class GPipe(nn.Module):
 
     Raises:
         TypeError: ``module`` is not an ``nn.Sequential``, or ``balance`` is not a list.
-        ValueError: an inconsistent balance, devices, chunks, checkpoint or schedule.
+        ValueError: an inconsistent balance, devices, chunks, checkpoint or schedule, or a
+            layer whose parameters two devices would share.
     """
 
     def __init__(
@@ -147,12 +152,15 @@ class GPipe(nn.Module):
         # Validate the schedule now, not at the first step.
         self._schedule_for(max(chunks, 1))
 
+        placement = tuple(s % len(self.devices) for s in range(stage_count))
+        # Refuse a tensor that two devices would share before changing the user's model.
+        check_shared_placement(split_module(module, balance), [self.devices[d] for d in placement])
         if deferred_batch_norm:
+            refuse_reused_batch_norm(module)
             convert_deferred_batch_norm(module)
         self._deferred = [m for m in module.modules() if isinstance(m, DeferredBatchNorm)]
         self._module = [module]  # kept unregistered: the partitions own the layers
         self.partitions = split_module(module, balance)
-        placement = tuple(s % len(self.devices) for s in range(stage_count))
         for stage, partition in enumerate(self.partitions):
             partition.to(self.devices[placement[stage]])
         self._stages = Stages(list(self.partitions), self.devices, placement)
