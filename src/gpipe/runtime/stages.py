@@ -26,22 +26,17 @@ class Stages:
     modules: Sequence[nn.Module | None]
     devices: list[torch.device]
     placement: tuple[int, ...]
-    # Stages whose first layer writes its input in place (ReLU(inplace=True)...): their
-    # input is a leaf that needs a gradient, which autograd forbids modifying, so they get a
-    # copy. Found once, from the layers' ``inplace`` flags.
-    copies_input: list[bool] = field(default_factory=list)
+    # Whether a stage's forward writes into its input tensors (an in-place op on the input or
+    # a view of it, in any layer), per (stage, training mode): such a stage gets a copy of its
+    # input. Learned from the first forward, which runs on a copy to be safe (see
+    # StageWorker.forward).
+    copies_input: dict[tuple[int, bool], bool] = field(default_factory=dict)
     # Whether a stage's forward draws random numbers, per (stage, training mode); learned
     # from the first forward, which runs seeded and probed to be safe.
     draws_random: dict[tuple[int, bool], bool] = field(default_factory=dict)
     # Bytes a forward keeps for backward, per stage, training mode, input and target shapes
     # and autocast: counted once per key (see StageWorker._forward_kept).
     saved_bytes: dict[tuple[Any, ...], int] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        if not self.copies_input:
-            self.copies_input = [
-                module is not None and _writes_input(module) for module in self.modules
-            ]
 
     @property
     def count(self) -> int:
@@ -63,10 +58,3 @@ class Stages:
     def device_of(self, stage: int) -> torch.device:
         """The ``torch.device`` stage ``stage`` runs on."""
         return self.devices[self.placement[stage]]
-
-
-def _writes_input(module: nn.Module) -> bool:
-    """Whether the first layer ``module`` runs modifies its input in place."""
-    while isinstance(module, nn.Sequential) and len(module) > 0:
-        module = module[0]
-    return bool(getattr(module, "inplace", False))

@@ -88,6 +88,22 @@ def _shapes(value: Any) -> tuple[Any, ...]:
     )
 
 
+def _versions(value: Any) -> Any:
+    """The version counters of ``value``'s tensors: an in-place write bumps its tensor's.
+
+    Views share their base's counter, so a write through a view of an input shows too.
+    (Inference tensors have none; nothing can be saved from them for a backward either.)
+    A lone tensor, the common case on every forward, skips the tree walk.
+    """
+    if isinstance(value, torch.Tensor):
+        return None if value.is_inference() else value._version
+    return [_versions(leaf) for leaf in leaves(value) if isinstance(leaf, torch.Tensor)]
+
+
+def _copy(value: Any) -> Any:
+    return map_tensors(torch.Tensor.clone, value)
+
+
 def _grad_leaves(value: Any) -> list[torch.Tensor | None]:
     """The flattened leaves of ``value``, with None for those that take no gradient."""
     return [
@@ -147,20 +163,34 @@ class StageWorker:
         inputs = self.transport.recv((ACTIVATION, stage, mb))
         start = time.perf_counter_ns()
         inputs = _as_leaves(inputs)
+        key = (stage, self.stages.module(stage).training)
+        writes = self.stages.copies_input.get(key)
+        # NOTE: a stage input may be the caller's batch (stage 0), views sharing one version
+        # counter with the other micro-batches, or what a checkpointed micro-batch recomputes
+        # from; a stage that writes into it gets a copy. Whether it does is learned from its
+        # first forward in each mode, run on a copy so nothing is written before we know.
+        copied = writes is None or (writes and (step.grad or stage == 0))
+        given = inputs
+        if copied:
+            with torch.set_grad_enabled(step.grad):  # the copy joins the graph to the input
+                given = _copy(inputs)
+        before = _versions(given)
         if not step.grad:
             with torch.no_grad():
-                output, _ = self._run(stage, mb, inputs)
+                output, _ = self._run(stage, mb, given)
+            self._learn_writes(key, before, given, copied, harmless=True)
             self.transport.send((ACTIVATION, stage + 1, mb), output)
             self._record(action, start)
             return
         if checkpointed(step.checkpoint, mb, step.microbatches):
             with torch.no_grad():
-                output, root = self._run(stage, mb, inputs)
+                output, root = self._run(stage, mb, given)
             kept = _SavedBytes(_NOTHING, inputs).nbytes if step.track_memory else 0
             saved = Saved(inputs, None, kept)
         else:
-            output, root, kept = self._forward_kept(stage, mb, inputs)
+            output, root, kept = self._forward_kept(stage, mb, given)
             saved = Saved(inputs, output if root is None else root, kept)
+        self._learn_writes(key, before, given, copied, harmless=False)
         step.saved[stage, mb] = saved
         self.held += saved.nbytes
         if root is None:
@@ -175,8 +205,13 @@ class StageWorker:
         start = time.perf_counter_ns()
         peak = self.held
         if saved.outputs is None:  # re-materialize: same inputs, same random stream
+            key = (stage, self.stages.module(stage).training)
+            given = saved.inputs
+            if self.stages.copies_input.get(key, True):
+                with torch.enable_grad():  # NOTE: a backward runs with grad mode off
+                    given = _copy(given)
             with recomputing():
-                output, root, kept = self._forward_kept(stage, mb, saved.inputs)
+                output, root, kept = self._forward_kept(stage, mb, given)
             saved.outputs = output if root is None else root
             peak += kept - saved.nbytes
         if grads is None:
@@ -260,11 +295,6 @@ class StageWorker:
         module = self.stages.module(stage)
         loss = step.loss if stage == self.stages.last else None
 
-        if step.grad and self.stages.copies_input[stage]:
-            # NOTE: also without autograd: a checkpointed micro-batch keeps this very input
-            # to recompute from, so its first forward must not write into it.
-            inputs = map_tensors(torch.Tensor.clone, inputs)
-
         def call() -> tuple[Any, torch.Tensor | None]:
             if step.autocast:  # the caller's torch.autocast, which threads don't inherit
                 with contextlib.ExitStack() as stack:
@@ -291,6 +321,31 @@ class StageWorker:
                 result = call()
             self.stages.draws_random[key] = probe.found
             return result
+
+    def _learn_writes(
+        self, key: tuple[int, bool], before: Any, given: Any, copied: bool, harmless: bool
+    ) -> None:
+        """Note whether the forward just run wrote into its input (``given``).
+
+        A stage whose earlier forwards in this mode did not write ran on the input itself:
+        a write now (an in-place op that only some inputs trigger) may have changed what a
+        checkpointed micro-batch recomputes from, so the step stops. Without autograd
+        (``harmless``) nothing is kept that the write could spoil.
+        """
+        if before is None or (isinstance(before, list) and None in before):
+            return  # inference tensors keep no version: this forward cannot tell
+        wrote = _versions(given) != before
+        known = self.stages.copies_input.get(key)
+        if known is None or (wrote and not known):
+            self.stages.copies_input[key] = wrote
+        if wrote and not copied and not harmless:
+            raise RuntimeError(
+                f"stage {key[0]} wrote into its input in place, though its first forward "
+                f"in {'training' if key[1] else 'eval'} mode did not (an in-place op that "
+                "only some inputs trigger), so this step may have recomputed from a changed "
+                "input and was stopped. gpipe copies this stage's input from now on: run "
+                "the step again"
+            )
 
     def _release(self, stage: int, mb: int) -> None:
         saved = self.state.saved.pop((stage, mb))
