@@ -61,3 +61,75 @@ def test_without_deferral_running_statistics_update_per_micro_batch_and_recomput
         pipe = GPipe(_model(), [2, 3], chunks=4, checkpoint=checkpoint)
         pipe.train_step(x, target, F.mse_loss)
         assert int(pipe[1].num_batches_tracked) == updates
+
+
+class _FailsAt(nn.Module):
+    """Raises in the forward (or the backward) of one micro-batch, while ``armed``."""
+
+    def __init__(self, microbatch: int, when: str = "forward") -> None:
+        super().__init__()
+        self.microbatch, self.when, self.armed, self.calls = microbatch, when, True, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        index, self.calls = self.calls, self.calls + 1
+        if self.armed and index == self.microbatch:
+            if self.when == "forward":
+                raise ArithmeticError("planned failure")
+            return _RaiseInBackward.apply(x)
+        return x
+
+
+class _RaiseInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        raise ArithmeticError("planned failure")
+
+
+def _clean_run(batches: list[torch.Tensor]) -> nn.Sequential:
+    plain = _model()
+    for x in batches:
+        plain(x)
+    return plain
+
+
+@pytest.mark.parametrize("when", ["forward", "backward"])
+@pytest.mark.parametrize("call", ["pipe", "train_step"])
+def test_a_step_that_raised_leaves_no_partial_statistics_behind(when: str, call: str) -> None:
+    model = nn.Sequential(*_model(), _FailsAt(2, when))
+    pipe = GPipe(model, [2, 4], chunks=4, checkpoint="never", deferred_batch_norm=True)
+    failed, clean = torch.randn(8, 6, dtype=torch.float64), torch.randn(8, 6, dtype=torch.float64)
+    target = torch.zeros(8, 8, dtype=torch.float64)
+    with pytest.raises(ArithmeticError, match="planned failure"):
+        if call == "pipe":
+            pipe(failed).sum().backward()
+        else:
+            pipe.train_step(failed, target, F.mse_loss)
+    model[-1].armed = False
+    pipe.train_step(clean, target, F.mse_loss)
+    # pipe(x) commits after its forwards, as plain training updates them in the forward: a
+    # failed backward comes too late to undo that; a failed forward commits nothing
+    committed = [failed, clean] if (call, when) == ("pipe", "backward") else [clean]
+    plain = _clean_run(committed)
+    assert_close(model[1].running_mean, plain[1].running_mean)
+    assert_close(model[1].running_var, plain[1].running_var)
+    assert int(model[1].num_batches_tracked) == len(committed)
+
+
+def test_forward_without_backward_and_eval_steps_keep_the_statistics_of_plain_training() -> None:
+    model = _model()
+    pipe = GPipe(model, [2, 3], chunks=3, deferred_batch_norm=True)
+    batches = [torch.randn(9, 6, dtype=torch.float64) for _ in range(2)]
+    pipe(batches[0])  # interrupted: no backward ever runs
+    pipe.eval()
+    with torch.no_grad():
+        pipe(torch.randn(9, 6, dtype=torch.float64) * 100)
+    pipe.train()
+    pipe(batches[1]).sum().backward()
+    plain = _clean_run(batches)
+    assert_close(model[1].running_mean, plain[1].running_mean)
+    assert_close(model[1].running_var, plain[1].running_var)
+    assert int(model[1].num_batches_tracked) == 2

@@ -95,6 +95,11 @@ class DeferredBatchNorm(nn.modules.batchnorm._BatchNorm):
         factor = 1.0 / float(tracked) if momentum is None else momentum
         running_mean.mul_(1 - factor).add_(mean, alpha=factor)
         running_var.mul_(1 - factor).add_(variance, alpha=factor)
+        self.discard()
+
+    @torch.no_grad()
+    def discard(self) -> None:
+        """Drop the sums added since the last commit (a failed step must count for nothing)."""
         self.sum.zero_()
         self.sum_squares.zero_()
         self.counted = 0

@@ -283,8 +283,7 @@ class GPipe(nn.Module):
         step = self._new_step(m, grad=grad, schedule=schedule)
         for i, mb in enumerate(microbatches):
             step.transport.send((ACTIVATION, 0, i), to_stage(mb))
-        step.run(forwards.actions)
-        self._commit_batch_norm()
+        self._run_committing(step, forwards)
         last = len(self.partitions)
         outputs = [step.transport.collect((ACTIVATION, last, i)) for i in range(len(microbatches))]
         if grad:
@@ -334,8 +333,7 @@ class GPipe(nn.Module):
         step = self._new_step(len(microbatches), grad=True, loss=loss, schedule=schedule)
         for i, mb in enumerate(microbatches):
             step.transport.send((ACTIVATION, 0, i), to_stage(mb))
-        step.run(schedule.actions)
-        self._commit_batch_norm()
+        self._run_committing(step, schedule)
         backward_into_input(step, microbatches)
         losses = [value for value in step.state.losses if value is not None]
         return torch.stack([w * value for w, value in zip(weights, losses)]).sum()
@@ -388,8 +386,20 @@ class GPipe(nn.Module):
         self._last_schedule = schedule
         return step
 
-    def _commit_batch_norm(self) -> None:
-        """Every micro-batch has run forward: fold their statistics in, once for the batch."""
+    def _run_committing(self, step: Step, schedule: Schedule) -> None:
+        """Run ``schedule`` (all the step's forwards among its actions), then commit batch norm.
+
+        Deferred batch norm folds its sums in once every micro-batch has run forward, and
+        drops them if the step fails, so a failed step leaves the statistics as they were.
+        """
+        for layer in self._deferred:
+            layer.discard()  # sums from forwards outside the pipe count for nothing
+        try:
+            step.run(schedule.actions)
+        except BaseException:
+            for layer in self._deferred:
+                layer.discard()
+            raise
         for layer in self._deferred:
             layer.commit()
 
