@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -297,6 +299,7 @@ class GPipe(nn.Module):
         loss_fn: Callable[[Any, Any], torch.Tensor],
         *,
         reduction: str = "mean",
+        microbatch_weight: Callable[[Any], Any] | None = None,
     ) -> torch.Tensor:
         """One pipelined forward and backward with the loss computed on the last stage.
 
@@ -309,13 +312,30 @@ class GPipe(nn.Module):
             loss_fn: ``loss_fn(output, target) -> scalar`` for one micro-batch.
             reduction: how ``loss_fn`` reduces over samples. "mean": each micro-batch loss is
                 weighted by its share of the batch, so the result equals ``loss_fn`` on the
-                whole batch even for uneven splits. "sum": micro-batch losses are added.
+                whole batch even for uneven splits, when ``loss_fn`` is a mean over samples
+                (see ``microbatch_weight`` otherwise). "sum": micro-batch losses are added.
+            microbatch_weight: for a loss that is a mean over something other than samples:
+                ``microbatch_weight(target) -> number`` (or 0-dim tensor) is what one
+                micro-batch's loss averages over, e.g. ``lambda t: (t != -100).sum()`` for
+                ``cross_entropy(..., ignore_index=-100)``. Micro-batch losses are weighted by
+                it, normalized by its sum over the batch; a micro-batch of weight 0 adds
+                nothing (not even the nan of a mean over no tokens).
 
         Returns:
             The loss of the whole mini-batch (detached), on the last device.
+
+        Raises:
+            ValueError: a target batch that does not match the input, a bad reduction, or
+                a weight that is negative, not finite, or zero for every micro-batch.
+            TypeError: a weight that is not a number or a 0-dim tensor.
         """
         if reduction not in ("mean", "sum"):
             raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+        if microbatch_weight is not None and reduction != "mean":
+            raise ValueError(
+                "microbatch_weight weights micro-batch losses that are means, as "
+                "reduction='mean' does; with a summed loss drop it (reduction='sum' adds them)"
+            )
         if not torch.is_grad_enabled():
             raise RuntimeError("train_step needs autograd: call it outside torch.no_grad()")
         microbatches = self._scatter(input)
@@ -326,8 +346,13 @@ class GPipe(nn.Module):
                 "give one target per sample"
             )
         targets = scatter(target, len(microbatches))
+        if microbatch_weight is not None:
+            weights = _normalized([_weight(microbatch_weight, t, i) for i, t in enumerate(targets)])
+        elif reduction == "mean":
+            weights = [batch_size(mb) / total for mb in microbatches]
+        else:
+            weights = [1.0] * len(microbatches)
         last_device = self._stages.device_of(self._stages.last)
-        weights = [batch_size(mb) / total if reduction == "mean" else 1.0 for mb in microbatches]
         loss = Loss(loss_fn, [_on(t, last_device) for t in targets], weights)
         schedule = self._schedule_for(len(microbatches))
         step = self._new_step(len(microbatches), grad=True, loss=loss, schedule=schedule)
@@ -335,8 +360,11 @@ class GPipe(nn.Module):
             step.transport.send((ACTIVATION, 0, i), to_stage(mb))
         self._run_committing(step, schedule)
         backward_into_input(step, microbatches)
-        losses = [value for value in step.state.losses if value is not None]
-        return torch.stack([w * value for w, value in zip(weights, losses)]).sum()
+        # NOTE: a micro-batch of weight 0 is left out, not multiplied by 0: its loss may be nan
+        terms = [
+            w * value for w, value in zip(weights, step.state.losses) if w and value is not None
+        ]
+        return torch.stack(terms).sum()
 
     # -- pieces ------------------------------------------------------------------------
 
@@ -419,3 +447,38 @@ class GPipe(nn.Module):
 
 def _on(value: Any, device: torch.device) -> Any:
     return map_tensors(lambda t: t.to(device), value)
+
+
+def _weight(microbatch_weight: Callable[[Any], Any], target: Any, index: int) -> float:
+    """One micro-batch's weight, checked: a finite number >= 0."""
+    value = microbatch_weight(target)
+    if isinstance(value, torch.Tensor):
+        if value.dim() != 0:
+            raise TypeError(
+                "microbatch_weight must return a number or a 0-dim tensor, got a tensor of "
+                f"shape {tuple(value.shape)} for micro-batch {index}; reduce it to one number, "
+                "e.g. (target != -100).sum()"
+            )
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(
+            "microbatch_weight must return a number or a 0-dim tensor, got "
+            f"{value!r} for micro-batch {index}"
+        )
+    weight = float(value)
+    if not math.isfinite(weight) or weight < 0:
+        raise ValueError(
+            f"microbatch_weight gave micro-batch {index} the weight {weight}; each weight "
+            "must be a finite number >= 0 (what its loss is a mean over, e.g. its real tokens)"
+        )
+    return weight
+
+
+def _normalized(weights: list[float]) -> list[float]:
+    total = sum(weights)
+    if total == 0:
+        raise ValueError(
+            "every micro-batch has weight 0 (every target is padding?): the loss of the batch "
+            "is a mean over nothing; skip this batch"
+        )
+    return [w / total for w in weights]

@@ -215,7 +215,10 @@ class StageWorker:
             saved.outputs = output if root is None else root
             peak += kept - saved.nbytes
         if grads is None:
-            roots = [(saved.outputs, None)]
+            # NOTE: a micro-batch of loss weight 0 adds nothing: no root, not 0 x its loss,
+            # which may be nan (a mean over no tokens) and would poison every gradient
+            weightless = step.loss is not None and not step.loss.weights[mb]
+            roots = [] if weightless else [(saved.outputs, None)]
         else:
             roots = [
                 (out, grad)
