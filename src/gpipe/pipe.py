@@ -19,7 +19,14 @@ from gpipe.batchnorm import (
     refuse_reused_batch_norm,
 )
 from gpipe.checkpoint import check_checkpoint
-from gpipe.microbatch import batch_size, gather, scatter
+from gpipe.microbatch import (
+    BatchDims,
+    batch_size,
+    check_batch_dims,
+    gather,
+    microbatch_sizes,
+    scatter,
+)
 from gpipe.partition import check_balance, check_shared_placement, split_module
 from gpipe.randomness import draw_step_seed
 from gpipe.runtime.caller import PipelineBackward, backward_into_input, to_stage
@@ -84,6 +91,12 @@ class GPipe(nn.Module):
             :class:`~gpipe.batchnorm.DeferredBatchNorm`, whose running statistics are
             updated once per mini-batch, as in plain training, instead of once per
             micro-batch (each micro-batch is still normalized by its own statistics).
+        input_batch_dims: where the input is batched: an int (the batch dim of every
+            tensor), None (not batched: given whole to every micro-batch), or a
+            tuple/list/dict of them shaped like the input or a prefix of it. Default 0.
+        output_batch_dims: the same for the output, which ``pipe(x)`` concatenates along
+            these dims; None marks a tensor that is the same in every micro-batch, returned
+            once. An LSTM's ``(out, (h, c))`` is ``(0, 1)``. Default 0.
 
     Raises:
         TypeError: ``module`` is not an ``nn.Sequential``, or ``balance`` is not a list.
@@ -105,6 +118,8 @@ class GPipe(nn.Module):
         optimizer: Any = None,
         track_memory: bool = True,
         deferred_batch_norm: bool = False,
+        input_batch_dims: BatchDims = 0,
+        output_batch_dims: BatchDims = 0,
     ) -> None:
         super().__init__()
         if not isinstance(module, nn.Sequential):
@@ -124,6 +139,8 @@ class GPipe(nn.Module):
             raise ValueError(f"virtual_stages must be >= 1, got {virtual_stages}")
         self.checkpoint = check_checkpoint(checkpoint)
         self.chunks = chunks
+        self.input_batch_dims = check_batch_dims(input_batch_dims, "input_batch_dims")
+        self.output_batch_dims = check_batch_dims(output_batch_dims, "output_batch_dims")
         self.schedule = schedule
         self.virtual_stages = virtual_stages
         self.track_memory = track_memory
@@ -200,7 +217,7 @@ class GPipe(nn.Module):
             raise ValueError(
                 f"balance={how!r} measures the model: pass sample=<a mini-batch> as well"
             )
-        microbatch = scatter(sample, self.chunks)[0]
+        microbatch = scatter(sample, self.chunks, self.input_batch_dims)[0]
         if how == "time":
             return balance_by_time(module, microbatch, stages)
         kept = kept_microbatches(self._schedule_for(self.chunks), self.checkpoint)
@@ -273,9 +290,10 @@ class GPipe(nn.Module):
         """Run ``input`` through the pipeline; the output lands on the last device.
 
         Under autograd (grad enabled) the returned output is connected to a pipelined
-        backward: ``loss.backward()`` runs each stage's backward on its own worker.
+        backward: ``loss.backward()`` runs each stage's backward on its own worker. The
+        micro-batch outputs are concatenated along ``output_batch_dims``.
         """
-        microbatches = self._scatter(input)
+        microbatches, sizes = self._scatter(input)
         grad = torch.is_grad_enabled()
         m = len(microbatches)
         if m not in self._fill_drain:  # the whole schedule, its forwards, its backwards
@@ -290,7 +308,7 @@ class GPipe(nn.Module):
         outputs = [step.transport.collect((ACTIVATION, last, i)) for i in range(len(microbatches))]
         if grad:
             outputs = PipelineBackward.connect(step, backwards, microbatches, outputs)
-        return gather(outputs)
+        return gather(outputs, self.output_batch_dims, sizes=sizes)
 
     def train_step(
         self,
@@ -300,6 +318,7 @@ class GPipe(nn.Module):
         *,
         reduction: str = "mean",
         microbatch_weight: Callable[[Any], Any] | None = None,
+        target_batch_dims: BatchDims = 0,
     ) -> torch.Tensor:
         """One pipelined forward and backward with the loss computed on the last stage.
 
@@ -320,6 +339,7 @@ class GPipe(nn.Module):
                 ``cross_entropy(..., ignore_index=-100)``. Micro-batch losses are weighted by
                 it, normalized by its sum over the batch; a micro-batch of weight 0 adds
                 nothing (not even the nan of a mean over no tokens).
+            target_batch_dims: where ``target`` is batched (see ``input_batch_dims``).
 
         Returns:
             The loss of the whole mini-batch (detached), on the last device.
@@ -338,18 +358,21 @@ class GPipe(nn.Module):
             )
         if not torch.is_grad_enabled():
             raise RuntimeError("train_step needs autograd: call it outside torch.no_grad()")
-        microbatches = self._scatter(input)
-        total = batch_size(input)
-        if batch_size(target) != total:
+        check_batch_dims(target_batch_dims, "target_batch_dims")
+        microbatches, sizes = self._scatter(input)
+        total = sum(sizes)
+        target_size = batch_size(target, target_batch_dims, what="target")
+        if target_size != total:
             raise ValueError(
-                f"target has batch size {batch_size(target)} but input has {total}; "
-                "give one target per sample"
+                f"target has batch size {target_size} but input has {total}; give one target "
+                "per sample, or declare where the target is batched with "
+                "train_step(..., target_batch_dims=...)"
             )
-        targets = scatter(target, len(microbatches))
+        targets = scatter(target, len(microbatches), target_batch_dims, what="target")
         if microbatch_weight is not None:
             weights = _normalized([_weight(microbatch_weight, t, i) for i, t in enumerate(targets)])
         elif reduction == "mean":
-            weights = [batch_size(mb) / total for mb in microbatches]
+            weights = [size / total for size in sizes]
         else:
             weights = [1.0] * len(microbatches)
         last_device = self._stages.device_of(self._stages.last)
@@ -386,9 +409,12 @@ class GPipe(nn.Module):
             self._schedules[key] = schedule
         return self._schedules[key]
 
-    def _scatter(self, input: Any) -> list[Any]:
+    def _scatter(self, input: Any) -> tuple[list[Any], list[int]]:
+        """The micro-batches of ``input``, and how many samples each holds."""
         self._check_placement()
-        return scatter(input, self.chunks)
+        microbatches = scatter(input, self.chunks, self.input_batch_dims)
+        sizes = microbatch_sizes(batch_size(input, self.input_batch_dims), self.chunks)
+        return microbatches, sizes
 
     def _new_step(
         self,
