@@ -210,7 +210,7 @@ def test_train_step_under_no_grad_is_an_error() -> None:
         ({"balance": [4, 0, 4]}, ValueError, "at least one layer"),
         ({"balance": [5, -1, 4]}, ValueError, "at least one layer"),
         ({"balance": "4,4"}, ValueError, "list of layers per stage"),
-        ({"balance": [4, 4], "devices": ["cpu"] * 3}, ValueError, "balance lists 2 stages"),
+        ({"balance": [4, 2, 2], "devices": ["cpu"] * 2}, ValueError, "balance lists 3 stages"),
         ({"devices": ["cpu"] * 9}, ValueError, "more stages"),
         ({"balance": [4, 4], "chunks": 0}, ValueError, "chunks must be an int >= 1"),
         ({"balance": [4, 4], "checkpoint": "sometimes"}, ValueError, "'except_last'"),

@@ -52,22 +52,37 @@ def check_balance(module: nn.Sequential, balance: Sequence[int]) -> list[int]:
 
     Raises:
         TypeError: ``balance`` is not a sequence of ints.
-        ValueError: it is empty, has an entry < 1, or does not sum to ``len(module)``.
+        ValueError: it has an entry < 1, or does not sum to ``len(module)`` (so only an
+            empty module takes an empty balance).
     """
     if isinstance(balance, (str, bytes)) or not isinstance(balance, Sequence):
         raise TypeError(f"balance must be a list of ints (layers per stage), got {balance!r}")
     balance = list(balance)
-    if not balance or not all(isinstance(b, int) and not isinstance(b, bool) for b in balance):
-        raise TypeError(f"balance must be a non-empty list of ints, got {balance!r}")
-    fix = f"e.g. gpipe.balance_by_time(module, sample, {min(len(balance), len(module)) or 1})"
+    if not all(isinstance(b, int) and not isinstance(b, bool) for b in balance):
+        raise TypeError(f"balance must be a list of ints (layers per stage), got {balance!r}")
     if any(b < 1 for b in balance):
-        raise ValueError(f"every stage needs at least one layer, got balance={balance}; {fix}")
+        raise ValueError(
+            f"every stage needs at least one layer, got balance={balance}; "
+            + _measure_it(len(balance))
+        )
     if sum(balance) != len(module):
+        reused = len(module) != len(list(module.named_children()))
         raise ValueError(
             f"balance={balance} sums to {sum(balance)} but the module has {len(module)} "
-            f"layers; {fix}"
+            f"layers{' (a layer object used twice counts twice)' if reused else ''}; "
+            + _measure_it(len(balance))
         )
     return balance
+
+
+def _measure_it(stages: int) -> str:
+    """The advice that ends a balance error: let a measurement find the balance."""
+    return (
+        "a measured balance avoids this, and follows the model as it changes: "
+        "`from gpipe.balance import balance_by_time; "
+        f"balance = balance_by_time(module, sample, {max(stages, 1)})`, "
+        "or GPipe(module, balance='time', sample=sample, devices=...)"
+    )
 
 
 def split_module(module: nn.Sequential, balance: Sequence[int]) -> nn.ModuleList:

@@ -36,7 +36,7 @@ from gpipe.runtime.state import Loss, StepState, caller_autocast
 from gpipe.runtime.step import Step
 from gpipe.runtime.transport import ACTIVATION
 from gpipe.schedule import BACKWARD, FORWARD, Schedule, make_schedule, validate
-from gpipe.structure import map_tensors
+from gpipe.structure import leaves, map_tensors
 
 __all__ = ["GPipe"]
 
@@ -59,6 +59,26 @@ def _default_stage_count(module: nn.Sequential) -> int:
     return max(1, min(len(module), gpus or 2))
 
 
+def _check_chunks(chunks: Any) -> int:
+    """``chunks`` as an int >= 1; an integral float (``8.0``) is taken, as torchgpipe does."""
+    if isinstance(chunks, float) and chunks.is_integer():
+        chunks = int(chunks)
+    if isinstance(chunks, bool) or not isinstance(chunks, numbers.Integral):
+        raise TypeError(f"chunks must be an int >= 1 (micro-batches per batch), got {chunks!r}")
+    if chunks < 1:
+        raise ValueError(f"chunks must be an int >= 1 (micro-batches per batch), got {chunks!r}")
+    return int(chunks)
+
+
+def _empty_list(value: Any) -> bool:
+    return isinstance(value, Sequence) and not isinstance(value, str) and len(value) == 0
+
+
+class _TooFewDevices(ValueError, IndexError):
+    """``balance`` and ``devices`` disagree, most often fewer devices than stages: a
+    ValueError, and an IndexError as torchgpipe raises for too few devices."""
+
+
 class GPipe(nn.Module):
     """Run an ``nn.Sequential`` as a pipeline of stages over micro-batches (GPipe).
 
@@ -72,9 +92,9 @@ class GPipe(nn.Module):
         balance: layers per stage (``[3, 2, 3]``); or how to find it: "params" (also
             None) evens out parameter counts, "time" measured forward + backward time,
             "memory" the memory each stage holds under the schedule (both need ``sample``).
-        devices: one device per stage; None puts every stage on "cpu" (as many stages as
-            ``balance`` lists, else one per GPU, else 2).
-        chunks: M, the number of micro-batches per mini-batch.
+        devices: one device per stage (extra ones go unused); None puts every stage on "cpu"
+            (as many stages as ``balance`` lists, else one per GPU, else 2).
+        chunks: M, the number of micro-batches per mini-batch (an int; ``8.0`` is taken).
         checkpoint: "always", "except_last" or "never": which micro-batches keep only their
             stage input and recompute the stage forward in the backward.
         schedule: the schedule ``train_step`` runs ("gpipe", or any name in
@@ -127,17 +147,12 @@ class GPipe(nn.Module):
                 f"GPipe takes an nn.Sequential, got {type(module).__name__}; wrap your layers "
                 "in nn.Sequential(...) in the order they run"
             )
-        if len(module) == 0:
-            raise ValueError("the nn.Sequential is empty: give it at least one layer")
-        if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
-            raise ValueError(
-                f"chunks must be an int >= 1 (micro-batches per batch), got {chunks!r}"
-            )
         if isinstance(virtual_stages, bool) or not isinstance(virtual_stages, int):
             raise TypeError(f"virtual_stages must be an int, got {virtual_stages!r}")
         if virtual_stages < 1:
             raise ValueError(f"virtual_stages must be >= 1, got {virtual_stages}")
-        self.checkpoint = check_checkpoint(checkpoint)
+        # NOTE: str() as torchgpipe does, so a str-like mode object works; then validated.
+        self.checkpoint = check_checkpoint(str(checkpoint))
         self.chunks = chunks
         self.input_batch_dims = check_batch_dims(input_batch_dims, "input_batch_dims")
         self.output_batch_dims = check_batch_dims(output_batch_dims, "output_batch_dims")
@@ -147,6 +162,8 @@ class GPipe(nn.Module):
         self._schedules: dict[tuple[str, int], Schedule] = {}
         self._fill_drain: dict[int, tuple[Schedule, Schedule, Schedule]] = {}
 
+        if len(module) == 0 and (balance is None or _empty_list(balance)):
+            balance, devices = [], []  # torchgpipe's empty pipe: the identity, no stage
         if devices is None:
             count = None
             if balance is not None and not isinstance(balance, str):
@@ -155,21 +172,22 @@ class GPipe(nn.Module):
         if isinstance(devices, (str, torch.device, int)):
             raise TypeError(f"devices must be a list, one device per stage, got {devices!r}")
         self.devices = [_as_device(d) for d in devices]
-        stage_count = len(self.devices) * virtual_stages
         if balance is None or isinstance(balance, str):
             balance = self._find_balance(
-                module, balance or "params", stage_count, sample, optimizer
+                module, balance or "params", len(self.devices) * virtual_stages, sample, optimizer
             )
         balance = check_balance(module, balance)
+        self.devices = self.devices[: math.ceil(len(balance) / virtual_stages)]  # extras unused
+        stage_count = len(self.devices) * virtual_stages
         if len(balance) != stage_count:
-            raise ValueError(
+            raise _TooFewDevices(
                 f"balance lists {len(balance)} stages but devices lists {len(self.devices)} "
                 f"devices (x {virtual_stages} virtual stages = {stage_count}); give one "
                 "balance entry per stage, or one device per stage"
             )
         self.balance = balance
-        # Validate the schedule now, not at the first step.
-        self._schedule_for(max(chunks, 1))
+        if balance:  # validate the schedule now, not at the first step
+            self._schedule_for(self.chunks)
 
         placement = tuple(s % len(self.devices) for s in range(stage_count))
         # Refuse a tensor that two devices would share before changing the user's model.
@@ -224,6 +242,15 @@ class GPipe(nn.Module):
         return balance_by_memory(
             module, microbatch, stages, optimizer=optimizer, kept_microbatches=kept
         )
+
+    @property
+    def chunks(self) -> int:
+        """M, the number of micro-batches per mini-batch; settable (an int, or ``8.0``)."""
+        return self._chunks
+
+    @chunks.setter
+    def chunks(self, value: int) -> None:
+        self._chunks = _check_chunks(value)
 
     # -- nn.Sequential-like access to the user's layers --------------------------------
 
@@ -293,6 +320,8 @@ class GPipe(nn.Module):
         backward: ``loss.backward()`` runs each stage's backward on its own worker. The
         micro-batch outputs are concatenated along ``output_batch_dims``.
         """
+        if not self.partitions:
+            return _identity(input)
         microbatches, sizes = self._scatter(input)
         grad = torch.is_grad_enabled()
         m = len(microbatches)
@@ -359,6 +388,10 @@ class GPipe(nn.Module):
         if not torch.is_grad_enabled():
             raise RuntimeError("train_step needs autograd: call it outside torch.no_grad()")
         check_batch_dims(target_batch_dims, "target_batch_dims")
+        if not self.partitions:  # the empty pipe: the loss of the input itself
+            value = loss_fn(input, target)
+            value.backward()
+            return value.detach()
         microbatches, sizes = self._scatter(input)
         total = sum(sizes)
         target_size = batch_size(target, target_batch_dims, what="target")
@@ -473,6 +506,15 @@ class GPipe(nn.Module):
 
 def _on(value: Any, device: torch.device) -> Any:
     return map_tensors(lambda t: t.to(device), value)
+
+
+def _identity(input: Any) -> Any:
+    """The empty pipe's output: its input, which must hold a tensor (as in torchgpipe)."""
+    if not any(isinstance(leaf, torch.Tensor) for leaf in leaves(input)):
+        raise TypeError(
+            f"expected a tensor, or a tuple/list/dict holding tensors, got {type(input).__name__}"
+        )
+    return input
 
 
 def _weight(microbatch_weight: Callable[[Any], Any], target: Any, index: int) -> float:

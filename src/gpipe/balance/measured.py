@@ -25,6 +25,8 @@ def balance_by_time(
 ) -> list[int]:
     """Layers per stage so every stage takes about the same forward + backward time.
 
+    torchgpipe's argument order, ``balance_by_time(stages, module, sample)``, works too.
+
     Args:
         module: the model.
         sample: one micro-batch of input.
@@ -40,6 +42,8 @@ def balance_by_time(
         TypeError: ``module`` is not an ``nn.Sequential`` or ``stages`` not an int.
         ValueError: ``stages`` out of range or an empty sample.
     """
+    if isinstance(module, int) and isinstance(sample, nn.Sequential):  # torchgpipe's order
+        module, sample, stages = sample, stages, module
     _check_stages(module, stages)
     measured = profile(module, sample, device=device, repeats=repeats, warmup=warmup)
     return balance_costs(measured.costs("time"), stages)

@@ -1,0 +1,105 @@
+"""Code written for torchgpipe.GPipe runs by changing the import (docs/torchgpipe.md lists
+where gpipe deliberately differs)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.testing import assert_close
+
+from conftest import make_mlp, reference_step
+from gpipe import GPipe
+from gpipe.balance import balance_by_time
+
+
+def test_extra_devices_go_unused() -> None:
+    pipe = GPipe(make_mlp(3), [2, 2, 2], devices=["cpu"] * 5)
+    assert pipe.devices == [torch.device("cpu")] * 3
+
+
+def test_extra_devices_go_unused_with_virtual_stages() -> None:
+    pipe = GPipe(make_mlp(4), [2] * 4, devices=["cpu"] * 3, virtual_stages=2, chunks=2)
+    assert pipe.devices == [torch.device("cpu")] * 2
+
+
+def test_too_few_devices_is_a_value_error_and_an_index_error_as_in_torchgpipe() -> None:
+    with pytest.raises(ValueError, match="balance lists 4 stages") as info:
+        GPipe(make_mlp(2), [1, 1, 1, 1], devices=["cpu"])
+    assert isinstance(info.value, IndexError)
+
+
+def test_integral_float_chunks_and_string_like_checkpoint_are_accepted() -> None:
+    class Mode:
+        def __str__(self) -> str:
+            return "always"
+
+    pipe = GPipe(make_mlp(1), [2], chunks=42.0, checkpoint=Mode())  # type: ignore[arg-type]
+    assert pipe.chunks == 42 and type(pipe.chunks) is int
+    assert pipe.checkpoint == "always" and type(pipe.checkpoint) is str
+
+
+@pytest.mark.parametrize("chunks", [2.5, "4", 0, -1, True, None])
+def test_bad_chunks_are_refused_at_construction_and_later(chunks: object) -> None:
+    with pytest.raises((TypeError, ValueError), match="chunks"):
+        GPipe(make_mlp(1), [2], chunks=chunks)  # type: ignore[arg-type]
+    pipe = GPipe(make_mlp(1), [2], chunks=2)
+    with pytest.raises((TypeError, ValueError), match="chunks"):
+        pipe.chunks = chunks  # type: ignore[assignment]
+    assert pipe.chunks == 2
+
+
+def test_chunks_set_after_construction_is_used() -> None:
+    pipe = GPipe(make_mlp(2), [2, 2], chunks=2)
+    pipe.chunks = 4.0  # type: ignore[assignment]
+    assert pipe.chunks == 4 and type(pipe.chunks) is int
+    pipe(torch.randn(8, 6, dtype=torch.float64))
+    assert len(pipe.timeline.events[0]) == 4
+
+
+def test_empty_sequential_is_the_identity() -> None:
+    pipe = GPipe(nn.Sequential(), [])
+    assert len(pipe) == 0 and list(pipe) == [] and pipe.devices == []
+    assert pipe(torch.tensor(42)) == torch.tensor(42)
+    assert pipe((torch.tensor(42),)) == (torch.tensor(42),)
+    with pytest.raises(TypeError, match="tensor"):
+        pipe(42)
+
+
+def test_empty_sequential_train_step_equals_the_loss_on_the_input() -> None:
+    pipe = GPipe(nn.Sequential(), [], chunks=3)
+    x = torch.randn(5, 2, dtype=torch.float64, requires_grad=True)
+    target = torch.randn(5, 2, dtype=torch.float64)
+    loss = pipe.train_step(x, target, F.mse_loss)
+    expected = x.detach().clone().requires_grad_()
+    F.mse_loss(expected, target).backward()
+    assert_close(loss, F.mse_loss(expected, target).detach())
+    assert_close(x.grad, expected.grad)
+
+
+def test_bad_balance_recommends_balance_by_time() -> None:
+    for module, balance in [(nn.Sequential(), [1]), (make_mlp(1), [1])]:
+        with pytest.raises(ValueError, match=r"gpipe\.balance import balance_by_time"):
+            GPipe(module, balance)
+
+
+def test_balance_by_time_takes_torchgpipes_argument_order_too() -> None:
+    model = make_mlp(2).float()
+    sample = torch.randn(4, 6)
+    assert balance_by_time(2, model, sample, device="cpu") == balance_by_time(
+        model, sample, 2, device="cpu"
+    )
+
+
+def test_sequential_like_access_matches_the_model_torchgpipe_style() -> None:
+    x = torch.randn(8, 6, dtype=torch.float64)
+    target = torch.randn(8, 6, dtype=torch.float64)
+    _, expected_loss, grads, _ = reference_step(make_mlp(2), x, target, F.mse_loss)
+    model = make_mlp(2)
+    pipe = GPipe(model, (1, 3), devices=("cpu", "cpu"), chunks=4.0)  # type: ignore[arg-type]
+    loss = F.mse_loss(pipe(x), target)
+    loss.backward()
+    assert_close(loss.detach(), expected_loss)
+    for param, grad in zip(model.parameters(), grads):
+        assert_close(param.grad, grad)
