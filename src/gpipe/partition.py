@@ -107,7 +107,8 @@ def check_shared_placement(stages: Iterable[nn.Module], devices: Sequence[torch.
 
     A layer object used at two positions, or a parameter tied between two layers, is one
     tensor: stages on one device simply share it (each stage's backward accumulates into the
-    same ``.grad``), but it cannot live on two devices at once.
+    same ``.grad``; NOTE: the autograd engine locks AccumulateGrad, so two stages' workers may
+    do so at once), but it cannot live on two devices at once.
 
     Args:
         stages: the :class:`Partition` of each stage.
