@@ -1,48 +1,109 @@
-"""The memory model: what each device holds for backward as it walks its actions."""
+"""The memory model: what each device holds as it walks its actions, as the runtime counts it.
+
+One walk serves the simulator's timelines, the planner's prediction and ``balance="memory"``,
+and it follows the rule the runtime counts by (see ``gpipe.runtime.saved`` and the guide):
+
+- a forward keeps the stage's activations (``full``: its input and what autograd saves), or
+  only its input (``kept``) when the micro-batch is checkpointed;
+- a backward holds, while it runs, the recomputed activations of a checkpointed micro-batch
+  (``full - kept``), the gradient it receives from the next stage and the one it sends
+  back (``gradient`` of the next stage's input and of its own);
+- without W actions the backward frees the micro-batch. With them (zero-bubble), B keeps
+  what W needs until W frees it: the recomputed activations, and ``deferred`` bytes of
+  gradients at the parameter forks (a stage whose input takes no gradient defers its whole
+  backward, keeping the output gradient it received instead).
+"""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 from gpipe.checkpoint import checkpointed
 from gpipe.schedule import BACKWARD, FORWARD, WEIGHT, Schedule
 
-__all__ = ["activation_peaks", "kept_microbatches"]
+__all__ = ["activation_peaks", "kept_microbatches", "memory_per_action"]
+
+Sizes = Sequence[float]
 
 
-def activation_peaks(
-    schedule: Schedule, full: list[int], kept: list[int], checkpoint: str
-) -> list[int]:
-    """Per device, the most activation bytes held, walking its actions as the runtime does.
-
-    Finer than :func:`simulate`'s memory, which knows no re-materialization: this is what
-    the planner predicts and ``balance="memory"`` weighs.
-
-    A forward keeps the stage's activations (``full``), or only its input (``kept``) when the
-    micro-batch is checkpointed; the backward of a checkpointed micro-batch holds its full
-    activations again while it recomputes; B frees, or W in schedules that split them.
+def memory_per_action(
+    schedule: Schedule,
+    full: Sizes,
+    kept: Sizes,
+    checkpoint: str,
+    *,
+    gradient: Sizes | None = None,
+    deferred: Sizes | None = None,
+) -> list[list[float]]:
+    """Per device, per action in list order, the most bytes held while the action runs.
 
     Args:
         schedule: the schedule.
         full: per model stage, what one micro-batch keeps without re-materialization.
         kept: per model stage, what a checkpointed micro-batch keeps (its stage input).
         checkpoint: the re-materialization mode.
+        gradient: per model stage, the bytes of the gradient of its input, which its B sends
+            back and the previous stage's B receives; None for none (gradients not modelled).
+        deferred: per model stage, what B keeps for W besides recomputed activations (split
+            schedules); None for nothing.
+
+    Returns:
+        ``memory[d][j]`` for action ``schedule.actions[d][j]``.
     """
-    frees = WEIGHT if schedule.split_backward else BACKWARD
-    peaks = []
+    stages = schedule.stages
+    grads = list(gradient) if gradient is not None else [0] * stages
+    later = list(deferred) if deferred is not None else [0] * stages
+    split = schedule.split_backward
+    m = schedule.microbatches
+    memory: list[list[float]] = []
     for actions in schedule.actions:
-        held = peak = 0
+        held: float = 0
+        row: list[float] = []
         for action in actions:
             s, i = action.stage, action.microbatch
-            again = checkpointed(checkpoint, i, schedule.microbatches)
-            size = kept[s] if again else full[s]
+            again = checkpoint != "never" and checkpointed(checkpoint, i, m)
             if action.kind == FORWARD:
-                held += size
-                peak = max(peak, held)
-            elif action.kind == BACKWARD and again:
-                peak = max(peak, held + full[s] - kept[s])
-            if action.kind == frees:
-                held -= size
-        peaks.append(peak)
-    return peaks
+                held += kept[s] if again else full[s]
+                row.append(held)
+            elif action.kind == BACKWARD:
+                recomputed = full[s] - kept[s] if again else 0
+                received = grads[s + 1] if s + 1 < stages else 0
+                sent = grads[s]
+                keeps = later[s] if split else 0
+                # NOTE: a stage that sends no input gradient defers its whole backward to W,
+                # keeping the gradient it received: already counted in ``received``.
+                fresh = keeps if sent else max(0, keeps - received)
+                row.append(held + recomputed + received + sent + fresh)
+                if split:  # W frees the micro-batch: its input, activations and gradients
+                    held += recomputed + keeps
+                else:
+                    held -= kept[s] if again else full[s]
+            else:
+                row.append(held)
+                if action.kind == WEIGHT:
+                    held -= full[s] + later[s]
+        memory.append(row)
+    return memory
+
+
+def activation_peaks(
+    schedule: Schedule,
+    full: Sizes,
+    kept: Sizes,
+    checkpoint: str,
+    *,
+    gradient: Sizes | None = None,
+    deferred: Sizes | None = None,
+) -> list[float]:
+    """Per device, the most bytes held at any action: the peak of :func:`memory_per_action`.
+
+    This is what the planner predicts and ``balance="memory"`` weighs; the arguments are
+    those of :func:`memory_per_action`.
+    """
+    walked = memory_per_action(
+        schedule, full, kept, checkpoint, gradient=gradient, deferred=deferred
+    )
+    return [max(row, default=0) for row in walked]
 
 
 def kept_microbatches(schedule: Schedule, checkpoint: str) -> list[int]:
@@ -54,4 +115,4 @@ def kept_microbatches(schedule: Schedule, checkpoint: str) -> list[int]:
     """
     stages, per_device = schedule.stages, schedule.virtual_stages
     peaks = activation_peaks(schedule, [1] * stages, [0] * stages, checkpoint)
-    return [-(-peaks[schedule.placement[s]] // per_device) for s in range(stages)]
+    return [-(-int(peaks[schedule.placement[s]]) // per_device) for s in range(stages)]

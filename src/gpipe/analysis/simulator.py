@@ -8,6 +8,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from gpipe.analysis.memory import memory_per_action
 from gpipe.analysis.timeline import Event, Timeline
 from gpipe.schedule import BACKWARD, FORWARD, WEIGHT, Schedule, ScheduleError, validate
 
@@ -29,6 +30,10 @@ class Costs:
         transfer: time to move one activation or gradient between two different devices;
             a hand-off between stages on the same device is free.
         activation_bytes: what one micro-batch's forward on a stage keeps for its backward.
+        gradient_bytes: the gradient of a stage's input, which its backward sends back and
+            the previous stage's backward receives; both hold it while they run.
+        deferred_bytes: what a backward keeps for its W (schedules with W actions): the
+            gradients at the parameter forks. See :mod:`gpipe.analysis.memory`.
     """
 
     forward: PerStage = 1.0
@@ -36,6 +41,8 @@ class Costs:
     weight: PerStage = 0.0
     transfer: float = 0.0
     activation_bytes: PerStage = 1
+    gradient_bytes: PerStage = 0
+    deferred_bytes: PerStage = 0
 
     @classmethod
     def from_timeline(cls, timeline: Timeline, stages: int | None = None) -> Costs:
@@ -64,7 +71,9 @@ def simulate(schedule: Schedule, costs: Costs | Mapping[str, Any] | None = None)
     ``activation_bytes``; they are freed by the backward, or, when the schedule has W
     actions, by the W (the weight gradient needs the stage's saved inputs, so they live
     until then). ``Event.memory`` is the most held during the action: after a forward's
-    allocation, before a backward's or W's release.
+    allocation, before a backward's or W's release, with the gradients a backward receives
+    and sends (see :func:`~gpipe.analysis.memory.memory_per_action`; nothing is
+    re-materialized here).
 
     Args:
         schedule: the schedule; it must be valid.
@@ -100,6 +109,8 @@ def _simulate(schedule: Schedule, costs: Costs) -> Timeline:
     backward = _per_stage(costs.backward, stages, "backward")
     weight = _per_stage(costs.weight, stages, "weight")
     held_bytes = _per_stage(costs.activation_bytes, stages, "activation_bytes")
+    gradient_bytes = _per_stage(costs.gradient_bytes, stages, "gradient_bytes")
+    deferred_bytes = _per_stage(costs.deferred_bytes, stages, "deferred_bytes")
     split = schedule.split_backward
     if not split:
         backward = [b + w for b, w in zip(backward, weight)]
@@ -119,12 +130,21 @@ def _simulate(schedule: Schedule, costs: Costs) -> Timeline:
     size = stages * microbatches
     offset = {FORWARD: 0, BACKWARD: size, WEIGHT: 2 * size}
     ends = [-1.0] * (3 * size)
-    frees = WEIGHT if split else BACKWARD
     devices = schedule.devices
+    try:
+        memory = memory_per_action(
+            schedule,
+            held_bytes,
+            held_bytes,
+            "never",
+            gradient=gradient_bytes,
+            deferred=deferred_bytes,
+        )
+    except IndexError:  # an action on a stage the schedule does not have
+        raise _invalid(schedule) from None
     events: list[list[Event]] = [[] for _ in range(devices)]
     position = [0] * devices
     free_at = [0.0] * devices
-    held = [0.0] * devices
     # A device blocks on one missing result at a time; waiting maps that result's key to
     # the device, so finishing it wakes exactly the device that needs it.
     waiting: dict[int, int] = {}
@@ -133,6 +153,7 @@ def _simulate(schedule: Schedule, costs: Costs) -> Timeline:
         device = ready.pop()
         actions = schedule.actions[device]
         out = events[device]
+        held = memory[device]
         at, clock = position[device], free_at[device]
         while at < len(actions):
             action = actions[at]
@@ -169,11 +190,7 @@ def _simulate(schedule: Schedule, costs: Costs) -> Timeline:
                 raise _invalid(schedule)
             clock = start + duration
             ends[key] = clock
-            if kind == FORWARD:
-                held[device] += held_bytes[stage]
-            out.append(Event(action, start, clock, held[device]))
-            if kind == frees:
-                held[device] -= held_bytes[stage]
+            out.append(Event(action, start, clock, held[at]))
             at += 1
             woken = waiting.pop(key, None)
             if woken is not None:

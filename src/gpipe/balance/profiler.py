@@ -13,6 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from gpipe.runtime.saved import SavedBytes, gradient_bytes, storage_keys, tensor_bytes
+from gpipe.runtime.split_backward import backward_input
 from gpipe.structure import leaves, map_tensors
 from gpipe.units import format_bytes
 
@@ -64,6 +66,9 @@ class Profile:
         weight: the part of ``backward`` that is the weight gradient (what a zero-bubble W
             runs): backward time minus the input gradient alone. Measured only with
             ``profile(..., split_backward=True)``, else empty.
+        deferred_bytes: what a zero-bubble B keeps for W from this layer: the gradients at
+            its parameter forks (its input taking a gradient). Measured only with
+            ``profile(..., split_backward=True)``, else empty.
     """
 
     names: list[str]
@@ -78,6 +83,7 @@ class Profile:
     saved_input_bytes: list[int] = field(default_factory=list)
     cpu: list[float] = field(default_factory=list)
     weight: list[float] = field(default_factory=list)
+    deferred_bytes: list[int] = field(default_factory=list)
 
     @property
     def layers(self) -> int:
@@ -275,6 +281,7 @@ def profile(
         saved_input_bytes=chain.saved_inputs,
         cpu=[c.cpu for c in measured],
         weight=[c.weight for c in measured] if split_backward else [],
+        deferred_bytes=[c.deferred_bytes for c in measured] if split_backward else [],
     )
 
 
@@ -297,27 +304,7 @@ class _LayerCost:
     trainable_bytes: int
     cpu: float
     weight: float
-
-
-class _SavedBytes:
-    """A saved-tensor hook pair that adds up storages autograd keeps, each counted once."""
-
-    def __init__(self, exclude: set[int]) -> None:
-        self.seen = set(exclude)
-        self.nbytes = 0
-
-    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        storage = tensor.untyped_storage()
-        # NOTE: by storage, not by tensor: a view (weight.t(), x[0]) keeps its whole storage
-        # alive, and one storage saved twice costs its bytes once.
-        if storage.data_ptr() not in self.seen:
-            self.seen.add(storage.data_ptr())
-            self.nbytes += storage.nbytes()
-        return tensor
-
-    @staticmethod
-    def unpack(tensor: torch.Tensor) -> torch.Tensor:
-        return tensor
+    deferred_bytes: int
 
 
 @dataclass(frozen=True)
@@ -330,11 +317,12 @@ class _Chain:
 def _attribute(layers: list[nn.Module], sample: Any) -> _Chain:
     """Saved bytes per layer when the layers run as one graph, each storage to its first saver.
 
-    This is how a stage runs in the pipeline, so per-layer numbers add up to the stage's.
+    This is how a stage runs in the pipeline, so per-layer numbers add up to the stage's, and
+    they follow the runtime's rule (:mod:`gpipe.runtime.saved`).
     """
     # Parameters saved for backward (Linear saves its weight) are not activations.
     own = [t for layer in layers for t in (*layer.parameters(), *layer.buffers())]
-    counter = _SavedBytes({t.untyped_storage().data_ptr() for t in own})
+    counter = SavedBytes(storage_keys(own))
     saved, inputs, saved_inputs = [], [], []
     value = _fresh(sample)
     # NOTE: every output stays referenced, so no counted storage is freed (a graph cut by an
@@ -345,23 +333,20 @@ def _attribute(layers: list[nn.Module], sample: Any) -> _Chain:
         torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack),
     ):
         for layer in layers:
-            given = {
-                leaf.untyped_storage().data_ptr(): leaf
-                for leaf in leaves(value)
-                if isinstance(leaf, torch.Tensor)
-            }
-            before, seen_before = counter.nbytes, set(counter.seen)
+            given = [leaf for leaf in leaves(value) if isinstance(leaf, torch.Tensor)]
+            before, counted_before = counter.nbytes, [counter.counted(t) for t in given]
             value = layer(value)
             kept.append(value)
             saved.append(counter.nbytes - before)
-            inputs.append(sum(_nbytes(t) for t in given.values()))
-            saved_inputs.append(
-                sum(
-                    t.untyped_storage().nbytes()
-                    for ptr, t in given.items()
-                    if ptr in counter.seen and ptr not in seen_before
-                )
-            )
+            inputs.append(gradient_bytes(given))
+            # what this layer counted for its own input, which a stage starting here keeps
+            # anyway (each storage once)
+            newly = {
+                next(iter(storage_keys([t])), id(t)): counter.counted(t) - was
+                for t, was in zip(given, counted_before)
+                if counter.counted(t) > was
+            }
+            saved_inputs.append(sum(newly.values()))
     return _Chain(saved, inputs, saved_inputs)
 
 
@@ -422,6 +407,7 @@ def _measure(
         weight=max(0.0, statistics.median(backward) - statistics.median(input_only))
         if split
         else 0.0,
+        deferred_bytes=_deferred_bytes(layer, value) if split else 0,
     )
     return cost, next_value
 
@@ -439,6 +425,19 @@ def _input_gradient_seconds(layer: nn.Module, value: Any, device: torch.device) 
         torch.autograd.grad(roots, wanted, grads, allow_unused=True)
     _synchronize(device)
     return time.perf_counter() - start
+
+
+def _deferred_bytes(layer: nn.Module, value: Any) -> int:
+    """What a zero-bubble B of ``layer`` keeps for its W: the gradients at its forks."""
+    inputs = _fresh(value)
+    output = layer(inputs)
+    roots = [t for t in leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
+    wanted = [t for t in leaves(inputs) if isinstance(t, torch.Tensor) and t.requires_grad]
+    params = [p for p in layer.parameters() if p.requires_grad]
+    if not roots or not wanted:
+        return 0
+    _, later = backward_input([(r, torch.ones_like(r)) for r in roots], wanted, params)
+    return gradient_bytes([grads for _, grads, _ in later.parts])
 
 
 def _fresh(value: Any) -> Any:
@@ -499,7 +498,7 @@ def _synchronize(device: torch.device) -> None:
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
+    return tensor_bytes(tensor)
 
 
 def _describe(value: Any) -> str:

@@ -272,7 +272,7 @@ def _rows(value: Any, size: int) -> Any:
 
 
 # What the loss layer costs joins the last model layer; its other entries are dropped.
-_FOLDED = ("forward", "backward", "activation_bytes", "cpu", "weight")
+_FOLDED = ("forward", "backward", "activation_bytes", "cpu", "weight", "deferred_bytes")
 
 
 def _fold_loss(measured: Profile) -> Profile:
@@ -320,7 +320,15 @@ def _evaluate(
     timeline = simulate(schedule, Costs(forward=forward, backward=backward, weight=w))
     full = [measured.stage_activation_bytes(a, b) for a, b in spans]
     kept = [measured.input_bytes[a] for a, _ in spans]
-    activations = activation_peaks(schedule, full, kept, mode)
+    # NOTE: the mini-batch takes no gradient; every later stage sends one back, the size of
+    # its input. A stage sending none defers its whole backward, keeping what it received.
+    gradient = [0, *kept[1:]]
+    deferred = None
+    if measured.deferred_bytes:
+        deferred = [sum(measured.deferred_bytes[a:b]) for a, b in spans]
+        deferred[0] = gradient[1] if len(spans) > 1 else 0
+    peaks = activation_peaks(schedule, full, kept, mode, gradient=gradient, deferred=deferred)
+    activations = [int(peak) for peak in peaks]  # whole bytes in, whole bytes out
     fixed = [0] * stages
     for s, (a, b) in enumerate(spans):
         fixed[schedule.placement[s]] += sum(

@@ -63,6 +63,7 @@ class StepState:
     losses: list[torch.Tensor | None] = field(default_factory=list)
     events: list[list[Event]] = field(default_factory=list)
     failed: bool = False  # set at the first failure: workers stop before their next action
+    retain_graph: bool = False  # the backward keeps every micro-batch for another backward
     origin_ns: int = field(default_factory=time.perf_counter_ns)
 
     def __post_init__(self) -> None:

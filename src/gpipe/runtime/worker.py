@@ -13,6 +13,7 @@ from gpipe.analysis import Event
 from gpipe.batchnorm import recomputing
 from gpipe.checkpoint import checkpointed
 from gpipe.randomness import RandomProbe, seeded, stream_seed
+from gpipe.runtime.saved import SavedBytes, gradient_bytes, storage_keys
 from gpipe.runtime.split_backward import backward_input, backward_weight
 from gpipe.runtime.stages import Stages
 from gpipe.runtime.state import Saved, StepState
@@ -23,49 +24,16 @@ from gpipe.structure import leaves, map_tensors
 __all__ = ["StageWorker"]
 
 
-class _SavedBytes:
-    """Counts the bytes autograd saves for backward, parameters excluded.
-
-    Tensors are keyed by where their data starts and each key counts its largest tensor, so
-    a tensor saved twice, or with a view of it, counts once, and a micro-batch (a view into
-    the caller's whole batch, like its target) counts as one micro-batch, not the batch.
-    NOTE: the pack hook runs for every saved tensor (hundreds per micro-batch), so it keeps
-    to two cheap calls; ``untyped_storage()`` per tensor cost 3 % of a tiny GPT's step.
-    """
-
-    def __init__(self, exclude: set[int], inputs: Any) -> None:
-        self._exclude = exclude
-        self._sizes: dict[int, int] = {}
-        for leaf in leaves(inputs):
-            if isinstance(leaf, torch.Tensor):
-                self.pack(leaf)
-
-    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        try:
-            ptr = tensor.data_ptr()
-        except (RuntimeError, NotImplementedError):  # sparse or opaque tensors
-            return tensor
-        if ptr not in self._exclude:
-            size = tensor.nbytes
-            if size > self._sizes.get(ptr, 0):
-                self._sizes[ptr] = size
-        return tensor
-
-    @staticmethod
-    def unpack(tensor: torch.Tensor) -> torch.Tensor:
-        return tensor
-
-    @property
-    def nbytes(self) -> int:
-        return sum(self._sizes.values())
-
-
-_NOTHING: set[int] = set()
-
-
 def _as_leaves(value: Any) -> Any:
     """Cut ``value``'s tensors from any graph, keeping whether they need a gradient."""
     return map_tensors(lambda t: t.detach().requires_grad_(t.requires_grad), value)
+
+
+def _kept_bytes(inputs: Any) -> int:
+    """What a checkpointed micro-batch keeps: its stage input, by the counter's rule."""
+    counter = SavedBytes()
+    counter.keep(inputs)
+    return counter.nbytes
 
 
 def _for_next_stage(value: Any) -> Any:
@@ -185,7 +153,7 @@ class StageWorker:
         if checkpointed(step.checkpoint, mb, step.microbatches):
             with torch.no_grad():
                 output, root = self._run(stage, mb, given)
-            kept = _SavedBytes(_NOTHING, inputs).nbytes if step.track_memory else 0
+            kept = _kept_bytes(inputs) if step.track_memory else 0
             saved = Saved(inputs, None, kept)
         else:
             output, root, kept = self._forward_kept(stage, mb, given)
@@ -203,7 +171,7 @@ class StageWorker:
         has_loss = step.loss is not None and stage == self.stages.last
         grads = None if has_loss else self.transport.recv((GRADIENT, stage, mb))
         start = time.perf_counter_ns()
-        peak = self.held
+        recomputed = 0  # bytes the recomputation keeps beyond the stashed input
         if saved.outputs is None:  # re-materialize: same inputs, same random stream
             key = (stage, self.stages.module(stage).training)
             given = saved.inputs
@@ -213,7 +181,7 @@ class StageWorker:
             with recomputing():
                 output, root, kept = self._forward_kept(stage, mb, given)
             saved.outputs = output if root is None else root
-            peak += kept - saved.nbytes
+            recomputed = kept - saved.nbytes
         if grads is None:
             # NOTE: a micro-batch of loss weight 0 adds nothing: no root, not 0 x its loss,
             # which may be nan (a mean over no tokens) and would poison every gradient
@@ -231,16 +199,34 @@ class StageWorker:
             found, saved.weight = backward_input(roots, wanted, self._trainable(stage))
         else:
             if roots:
-                torch.autograd.backward([r for r, _ in roots], [g for _, g in roots])
+                torch.autograd.backward(
+                    [r for r, _ in roots], [g for _, g in roots], retain_graph=step.retain_graph
+                )
             found = [leaf.grad for leaf in wanted]
+            for leaf in wanted:  # sent on below; a second backward must not add to it
+                leaf.grad = None
         if stage > 0 or wanted:
             found_iter = iter(found)
             self.transport.send(
                 (GRADIENT, stage - 1, mb),
                 [None if leaf is None else next(found_iter) for leaf in inputs],
             )
+        peak = self.held + recomputed
+        if step.track_memory:
+            received, sent = gradient_bytes(grads), gradient_bytes(found)
+            peak += received + sent
+            if saved.weight is not None:  # W needs the recomputed activations and gradients
+                deferred = gradient_bytes([grads for _, grads, _ in saved.weight.parts])
+                # NOTE: a stage whose input takes no gradient defers its whole backward,
+                # keeping the very gradients it received: counted once.
+                peak += deferred if wanted else max(0, deferred - received)
+                saved.nbytes += recomputed + deferred
+                self.held += recomputed + deferred
         if not step.split_backward:
-            self._release(stage, mb)
+            if step.retain_graph:
+                self._retain(stage, mb, saved)
+            else:
+                self._release(stage, mb)
         self._record(action, start, peak)
 
     def weight(self, action: Action) -> None:
@@ -268,13 +254,15 @@ class StageWorker:
         known: int | None = 0
         if step.track_memory:
             module = self.stages.module(stage)
-            key = (stage, module.training, _shapes(inputs), self._target(stage, mb), *step.autocast)
+            target = _shapes(self._target(stage, mb))
+            key = (stage, module.training, _shapes(inputs), target, *step.autocast)
             known = self.stages.saved_bytes.get(key)
         if known is not None:
             with torch.enable_grad():
                 output, root = self._run(stage, mb, inputs)
             return output, root, known
-        counter = _SavedBytes(self._param_storages(stage), inputs)
+        counter = SavedBytes(self._param_storages(stage), borrowed=self._target(stage, mb))
+        counter.keep(inputs)
         with (
             torch.enable_grad(),
             torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack),
@@ -284,10 +272,11 @@ class StageWorker:
         return output, root, counter.nbytes
 
     def _target(self, stage: int, mb: int) -> Any:
+        """The loss target of micro-batch ``mb`` if ``stage`` computes the loss, else None."""
         loss = self.state.loss
         if loss is None or stage != self.stages.last:
             return None
-        return _shapes(loss.targets[mb])
+        return loss.targets[mb]
 
     def _run(self, stage: int, mb: int, inputs: Any) -> tuple[Any, torch.Tensor | None]:
         """The stage's forward, and on the last stage of train_step the weighted loss.
@@ -354,6 +343,15 @@ class StageWorker:
         saved = self.state.saved.pop((stage, mb))
         self.held -= saved.nbytes
 
+    def _retain(self, stage: int, mb: int, saved: Saved) -> None:
+        """Keep the micro-batch for another backward (``retain_graph=True``), as it was.
+
+        A checkpointed micro-batch drops its recomputed graph again, so between backwards
+        it holds only its input, as before the first.
+        """
+        if checkpointed(self.state.checkpoint, mb, self.state.microbatches):
+            saved.outputs = None
+
     def _trainable(self, stage: int) -> list[torch.Tensor]:
         """The stage's parameters that take gradients, listed once per step."""
         if stage not in self._trainables:
@@ -362,10 +360,10 @@ class StageWorker:
         return self._trainables[stage]
 
     def _param_storages(self, stage: int) -> set[int]:
+        """Where the stage's parameters and buffers live: not activations, never counted."""
         if stage not in self._params:
             module = self.stages.module(stage)
-            tensors = [*module.parameters(), *module.buffers()]
-            self._params[stage] = {t.data_ptr() for t in tensors}
+            self._params[stage] = storage_keys([*module.parameters(), *module.buffers()])
         return self._params[stage]
 
     def _record(self, action: Action, start_ns: int, memory: int | None = None) -> None:
