@@ -178,11 +178,22 @@ def test_bubble_formulas_follow_the_papers() -> None:
         (["simulate", "-K", "four", "-M", "4"], "expected a whole number >= 1, got 'four'"),
         (["simulate", "-M", "4"], "the following arguments are required: --stages"),
         (["simulate", "-K", "2", "-M", "4", "--costs", "1,2"], "as F,B,W"),
-        (["simulate", "-K", "2", "-M", "4", "--transfer", "-1"], "expected a number >= 0"),
+        (["simulate", "-K", "2", "-M", "4", "--transfer", "-1"], "number >= 0, got -1"),
         (["simulate", "-K", "2", "-M", "4", "-s", "nope"], "invalid choice: 'nope'"),
         (["simulate", "-K", "2", "-M", "4", "-s", "1f1b", "-v", "2"], "use schedule='interleaved'"),
         (["bubble", "-M", "0"], "expected a whole number >= 1"),
         ([], "required: COMMAND"),
+        (["simulate", "-K", "2", "-M", "4", "--costs", "inf,1,1"], "three finite numbers"),
+        (["simulate", "-K", "2", "-M", "4", "--transfer", "inf"], "a finite number >= 0"),
+        (["plan", "--devices", "cpu,,cpu"], "without empty entries, e.g. cpu,cpu; got 'cpu,,cpu'"),
+        (["plan", "--sample-shape", "3,x"], "one sample's shape without the batch dimension"),
+        (["plan", "--chunks", "2,a"], "comma-separated whole numbers >= 1"),
+        (["plan", "--schedules", "gpipe,fast"], "unknown 'fast' in 'gpipe,fast'; choose from"),
+        (["plan", "--checkpoints", "some"], "unknown 'some'"),
+        (["plan", "--stages", "0"], "expected a whole number >= 1, got 0"),
+        (["plan", "--memory-per-device", "lots"], "like 200MB"),
+        (["plan", "--top", "0"], "expected a whole number >= 1, got 0"),
+        (["demo", "--microbatches", "0"], "expected a whole number >= 1, got 0"),
     ],
 )
 def test_bad_arguments_exit_2_naming_the_fix(
@@ -240,6 +251,37 @@ def test_demo_trains_and_reports_bubble_beside_formula(capsys: pytest.CaptureFix
     assert 0 < float(result["bubble"]) < 1
 
 
-def test_demo_refuses_more_stages_than_layers(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["demo", "--stages", "99", "--steps", "1"]) == 2
-    assert "--stages <=" in capsys.readouterr().out
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["demo", "--stages", "99", "--steps", "1"], "has 11 layers: use --stages <= 11"),
+        (
+            ["demo", "--batch", "3", "--microbatches", "8"],
+            "--batch 3 cannot make 8 micro-batches of at least one sample: use --batch >= 8",
+        ),
+        (
+            ["plan", "--schedules", "interleaved", "--stages", "1", "--no-progress"],
+            "nothing to plan: interleaved on 1 device(s)",
+        ),
+        (
+            ["plan", "--model", "gpipe.models:mlp", "--sample-shape", "7", "--no-progress"],
+            "the model cannot run on a sample of shape (7,) (--sample-shape: one sample, "
+            "without its batch dimension): RuntimeError: mat1 and mat2",
+        ),
+        (["plan", "--model", "no_such_module:build"], "No module named 'no_such_module'"),
+        (["plan", "--devices", "cpu,meta", "--no-progress"], "device 'meta' holds no data"),
+        (["simulate", "-K", "1000", "-M", "100000"], "use fewer stages or micro-batches"),
+        (["bubble", "-M", "4", "10000000"], "use fewer stages or micro-batches"),
+        (["simulate", "-K", "2", "-M", "2", "--trace", "/proc/no/t.json"], "cannot write"),
+    ],
+)
+def test_bad_inputs_found_after_parsing_print_one_error_line_and_exit_2(
+    capsys: pytest.CaptureFixture[str], argv: list[str], message: str
+) -> None:
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    command = argv[0]
+    assert captured.err.splitlines()[-1] == captured.err.strip()  # one line
+    assert captured.err.startswith(f"gpipe {command}: error: ")
+    assert message in captured.err
+    assert "Traceback" not in captured.err + captured.out

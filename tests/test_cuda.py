@@ -44,6 +44,22 @@ def test_cuda_output_lands_on_last_device_and_backward_reaches_input() -> None:
     assert x.grad is not None and x.grad.device == x.device
 
 
+@pytest.mark.parametrize("devices", [["cpu", "cuda:0"], ["cuda:0", "cpu"]])
+def test_output_lands_on_the_last_device_of_a_mixed_pipe(devices: list[str]) -> None:
+    # NOTE: one GPU suffices: with a CPU stage beside it, a wrong device cannot pass.
+    x = torch.randn(6, 6, dtype=torch.float64, requires_grad=True)
+    target = torch.randn(6, 6, dtype=torch.float64)
+    expected, _, expected_grads, _ = reference_step(make_mlp(), x, target, F.mse_loss)
+    model = make_mlp()
+    pipe = GPipe(model, [8, 8], devices=devices, chunks=3)
+    y = pipe(x.detach().to(devices[0]).requires_grad_())
+    assert y.device == torch.device(devices[-1]) != torch.device(devices[0])
+    assert_close(y.cpu(), expected)
+    F.mse_loss(y, target.to(y.device)).backward()
+    for param, grad in zip(model.parameters(), expected_grads):
+        assert_close(param.grad.cpu(), grad)
+
+
 def test_cuda_caller_current_device_is_restored() -> None:
     before = torch.cuda.current_device()
     pipe = GPipe(make_mlp(), [8, 8], devices=_devices()[-2:], chunks=2)

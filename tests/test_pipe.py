@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import statistics
 import threading
 
@@ -122,11 +123,6 @@ def test_eval_mode_turns_dropout_off_and_does_not_checkpoint() -> None:
     assert min(e.memory for e in pipe.timeline.events[0]) > input_bytes
 
 
-def test_output_lands_on_last_device() -> None:
-    pipe = GPipe(make_mlp(2), [2, 2], devices=["cpu", torch.device("cpu")], chunks=2)
-    assert pipe(torch.randn(4, 6, dtype=torch.float64)).device == torch.device("cpu")
-
-
 def test_timeline_records_every_action_once() -> None:
     pipe = GPipe(make_mlp(4), [2, 2, 2, 2], chunks=3)
     pipe.train_step(
@@ -182,10 +178,15 @@ def test_exception_in_a_stage_reaches_caller_without_hang(when: str) -> None:
     if when == "forward":
         assert "micro-batch 1" in str(info.value)
     assert not [t for t in threading.enumerate() if t.name.startswith("gpipe-")]
-    # the pipe works for the next step
+    # the next step trains exactly like the plain model: nothing of the failed one is left
     model[1].when = "never"
-    loss = pipe.train_step(x, target, F.mse_loss)
-    assert torch.isfinite(loss)
+    model.zero_grad(set_to_none=True)
+    plain = copy.deepcopy(model)
+    _, expected_loss, expected_grads, _ = reference_step(plain, x, target, F.mse_loss)
+    assert_close(pipe.train_step(x, target, F.mse_loss), expected_loss)
+    for param, grad in zip(model.parameters(), expected_grads):
+        assert_close(param.grad, grad)
+    assert [len(events) for events in pipe.timeline.events] == [8, 8, 8]
 
 
 @pytest.mark.timeout(30)
@@ -216,11 +217,25 @@ def test_train_step_under_no_grad_is_an_error() -> None:
         ({"balance": [4, 4], "checkpoint": "sometimes"}, ValueError, "'except_last'"),
         ({"balance": [4, 4], "schedule": "magic"}, ValueError, "unknown schedule 'magic'"),
         ({"balance": [4, 4], "devices": "cpu"}, TypeError, "one device per stage"),
+        ({"balance": 3}, TypeError, r"got 3; for 3 stages, pass devices=\[\.\.\.\] with 3"),
+        ({"balance": [4, 4], "devices": []}, ValueError, "devices is empty"),
+        ({"balance": [4, 4], "devices": ["meta", "meta"]}, ValueError, "'meta' holds no data"),
+        ({"balance": [4, 4], "devices": ["cpu", "gpu"]}, ValueError, "unknown device 'gpu'"),
+        ({"balance": [4, 4], "devices": ["cpu", None]}, TypeError, "got None"),
+        ({"balance": [4, 4], "track_memory": "no"}, TypeError, "track_memory must be True"),
+        ({"balance": [4, 4], "deferred_batch_norm": 1}, TypeError, "deferred_batch_norm"),
     ],
 )
 def test_bad_construction_names_the_fix(kwargs: dict, error: type, match: str) -> None:
     with pytest.raises(error, match=match):
         GPipe(make_mlp(4), **kwargs)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+@pytest.mark.parametrize("devices", [["cuda:0", "cuda:1"], [0, 1], ["cpu", "cuda"]])
+def test_cuda_devices_without_cuda_name_the_fix(devices: list) -> None:
+    with pytest.raises(ValueError, match=r"no cuda device .*use devices=\['cpu'"):
+        GPipe(make_mlp(4), [4, 4], devices=devices)
 
 
 def test_module_must_be_sequential() -> None:
@@ -356,6 +371,20 @@ def test_predicted_timeline_uses_the_measured_costs() -> None:
     assert 0 < predicted.makespan <= measured.makespan
     median_forward = statistics.median(measured.durations("F")[1])
     assert predicted.durations("F")[1] == pytest.approx([median_forward] * 4)
+
+
+def test_predicted_timeline_shows_the_counted_bytes() -> None:
+    pipe = GPipe(make_mlp(4, width=16), [4, 4], chunks=4, checkpoint="never", schedule="1f1b")
+    x, target = torch.randn(8, 16, dtype=torch.float64), torch.randn(8, 16, dtype=torch.float64)
+    pipe.train_step(x, target, F.mse_loss)
+    measured, predicted = pipe.timeline, pipe.predicted_timeline()
+    assert predicted.peak_memory == measured.peak_memory
+    assert min(predicted.peak_memory) > 4 * 2 * 16 * 8  # bytes, not micro-batch counts
+    shown = [line for line in str(predicted).splitlines() if line.startswith("peak memory")]
+    assert shown == [line for line in str(measured).splitlines() if line.startswith("peak memory")]
+    assert shown[0].endswith("KiB")
+    with pytest.raises(ValueError, match="transfer must be seconds >= 0"):
+        pipe.predicted_timeline(transfer=-1.0)
 
 
 @pytest.mark.timeout(30)

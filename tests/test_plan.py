@@ -203,7 +203,10 @@ def test_sizes_parse_with_decimal_and_binary_units(text: str, size: int) -> None
     [
         ({"batch_size": 0}, ValueError, "batch_size must be >= 1"),
         ({"batch_size": 2.0}, TypeError, "batch_size must be an int"),
-        ({"devices": []}, ValueError, r"devices=\['cpu'\] \* 4"),
+        ({"devices": []}, ValueError, r"devices is empty: give one device per stage"),
+        ({"devices": ["cpu", "cpu,cpu"]}, ValueError, "unknown device 'cpu,cpu'"),
+        ({"devices": ["meta"]}, ValueError, "device 'meta' holds no data"),
+        ({"schedules": ("interleaved",), "devices": ["cpu"]}, ValueError, "nothing to plan"),
         ({"memory_per_device": "lots"}, ValueError, "like 200MB"),
         ({"schedules": ("fast",)}, ValueError, "unknown schedule 'fast'"),
         ({"checkpoints": ("sometimes",)}, ValueError, "checkpoint must be one of"),

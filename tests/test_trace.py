@@ -158,17 +158,47 @@ def test_timeline_str_is_the_uncolored_chart() -> None:
     assert "\x1b" not in text
 
 
-def test_plot_writes_a_png_of_the_expected_size(tmp_path: Path) -> None:
+FORWARD_RGB, BACKWARD_RGB = (76, 114, 176), (85, 168, 104)  # #4c72b0, #55a868
+
+
+def bars(path: Path, rgb: tuple[int, int, int]) -> list[tuple[int, int]]:
+    """Per band of rows holding ``rgb`` (a device's row), top down: the first and last
+    column of that colour in the band's middle row."""
     import matplotlib.image
 
-    single = plot(fill_drain(4, 8), tmp_path / "gantt.png")
-    image = matplotlib.image.imread(single)
-    assert single.stat().st_size > 10_000
-    assert image.shape[1] == 1200  # 12 inches at 100 dpi
-    assert image.shape[0] > 200
-    # Some pixels are the forward colour #4c72b0 (76, 114, 176).
-    rgb = (image[..., :3] * 255).round()
-    assert ((rgb == [76, 114, 176]).all(axis=-1)).sum() > 1000
+    image = (matplotlib.image.imread(path)[..., :3] * 255).round()
+    mask = (image == rgb).all(axis=-1)
+    rows = [r for r in range(mask.shape[0]) if mask[r].any()]
+    bands = [[rows[0]]]
+    for r in rows[1:]:
+        if r == bands[-1][-1] + 1:
+            bands[-1].append(r)
+        else:
+            bands.append([r])
+    found = []
+    for band in bands:
+        columns = mask[band[len(band) // 2]].nonzero()[0]
+        if columns.max() - columns.min() > 40:  # leaves out the legend's small swatch
+            found.append((int(columns.min()), int(columns.max())))
+    return found
+
+
+def test_plot_draws_each_action_on_its_device_row_where_it_ran(tmp_path: Path) -> None:
+    # device 0: F0 at [0, 1], idle, B0 at [3, 4]; device 1: F0 at [1, 2], B0 at [2, 3]
+    events = [
+        [Event(Action("F", 0, 0), 0, 1), Event(Action("B", 0, 0), 3, 4)],
+        [Event(Action("F", 1, 0), 1, 2), Event(Action("B", 1, 0), 2, 3)],
+    ]
+    path = plot(Timeline(events, "cost", "gpipe"), tmp_path / "gantt.png")
+    (f0, f1), (b1, b0) = bars(path, FORWARD_RGB), bars(path, BACKWARD_RGB)[::-1]
+    # in time order F0 on device 0, F0 on device 1, B0 on 1, B0 on 0: one unit apart each,
+    # so device 0 is idle for two units between its forward and its backward
+    starts = [bar[0] for bar in (f0, f1, b1, b0)]
+    unit = (starts[3] - starts[0]) / 3  # pixels per cost unit
+    assert unit > 200
+    assert all(abs(start - (starts[0] + i * unit)) <= 2 for i, start in enumerate(starts))
+    widths = [bar[1] - bar[0] for bar in (f0, f1, b1, b0)]
+    assert all(unit - 8 <= width <= unit for width in widths)  # minus the white edges
 
 
 def test_plot_compare_and_memory_add_panels(tmp_path: Path) -> None:
@@ -181,13 +211,17 @@ def test_plot_compare_and_memory_add_panels(tmp_path: Path) -> None:
     # b has a second Gantt panel and the memory panel (measured has memory > 0).
     assert both.shape[0] > plain.shape[0]
     assert both.shape[1] == plain.shape[1] == 1200
+    assert len(bars(tmp_path / "a.png", FORWARD_RGB)) == 4  # a row per device
+    assert len(bars(tmp_path / "b.png", FORWARD_RGB)) == 8  # measured and predicted
 
 
-def test_plot_draws_large_pipelines(tmp_path: Path) -> None:
-    import matplotlib.image
-
+def test_plot_draws_a_row_for_every_device_of_a_large_pipeline(tmp_path: Path) -> None:
     out = plot(fill_drain(16, 64, weight=1.0), tmp_path / "nested" / "big.png", title="K=16")
-    assert matplotlib.image.imread(out).shape[1] == 1200
+    forward_rows = bars(out, FORWARD_RGB)
+    assert len(forward_rows) == 16
+    # each device starts one forward later than the one above it: rows step to the right
+    starts = [first for first, _ in forward_rows]
+    assert starts == sorted(starts) and len(set(starts)) == 16
 
 
 def test_chrome_trace_has_one_complete_event_per_action(tmp_path: Path) -> None:

@@ -30,6 +30,7 @@ from gpipe.microbatch import (
 from gpipe.partition import check_balance, check_shared_placement, split_module
 from gpipe.randomness import draw_step_seed
 from gpipe.runtime.caller import PipelineBackward, backward_into_input, to_stage
+from gpipe.runtime.devices import as_devices
 from gpipe.runtime.mailbox import LocalTransport
 from gpipe.runtime.stages import Stages
 from gpipe.runtime.state import Loss, StepState, caller_autocast
@@ -48,10 +49,21 @@ _MOVING_DENIED = (
 )
 
 
-def _as_device(device: Device) -> torch.device:
-    if isinstance(device, int):
-        return torch.device("cuda", device)
-    return torch.device(device)
+def _check_balance_type(balance: Any) -> None:
+    """Raise TypeError unless ``balance`` is a list of layer counts, a name or None."""
+    if balance is None or isinstance(balance, str):
+        return
+    if not isinstance(balance, Sequence):
+        raise TypeError(
+            f"balance must be a list of layers per stage ([3, 2, 3]) or one of 'params', "
+            f"'time', 'memory', got {balance!r}; for {balance!r} stages, pass "
+            f"devices=[...] with {balance!r} entries and leave balance out"
+        )
+
+
+def _check_flag(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r}")
 
 
 def _default_stage_count(module: nn.Sequential) -> int:
@@ -151,6 +163,9 @@ class GPipe(nn.Module):
             raise TypeError(f"virtual_stages must be an int, got {virtual_stages!r}")
         if virtual_stages < 1:
             raise ValueError(f"virtual_stages must be >= 1, got {virtual_stages}")
+        _check_balance_type(balance)
+        _check_flag("track_memory", track_memory)
+        _check_flag("deferred_batch_norm", deferred_batch_norm)
         # NOTE: str() as torchgpipe does, so a str-like mode object works; then validated.
         self.checkpoint = check_checkpoint(str(checkpoint))
         self.chunks = chunks
@@ -169,9 +184,8 @@ class GPipe(nn.Module):
             if balance is not None and not isinstance(balance, str):
                 count = len(balance) // virtual_stages
             devices = ["cpu"] * (count or _default_stage_count(module))
-        if isinstance(devices, (str, torch.device, int)):
-            raise TypeError(f"devices must be a list, one device per stage, got {devices!r}")
-        self.devices = [_as_device(d) for d in devices]
+        # torchgpipe's empty pipe has no stage, so no device to check
+        self.devices = as_devices(devices) if len(module) or devices else []
         if balance is None or isinstance(balance, str):
             balance = self._find_balance(
                 module, balance or "params", len(self.devices) * virtual_stages, sample, optimizer
@@ -287,6 +301,24 @@ class GPipe(nn.Module):
             raise TypeError(_MOVING_DENIED)
         return super().to(*args, **kwargs)
 
+    # -- copies and pickles: the model and settings, not the last step ----------------
+
+    def __getstate__(self) -> dict[str, Any]:
+        """What ``copy.deepcopy``, ``pickle`` and ``torch.save`` carry: all but the last step.
+
+        The last step (its timeline, its workers' state) and the transport between the
+        workers (locks and conditions, which cannot be copied) stay behind: a copy has run
+        no step yet, and gets its own transport.
+        """
+        state = self.__dict__.copy()
+        del state["_transport"]
+        state["_last"] = state["_last_schedule"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self._transport = LocalTransport(self._stages.placement, self.devices)
+
     # -- running -----------------------------------------------------------------------
 
     @property
@@ -301,17 +333,34 @@ class GPipe(nn.Module):
 
         Each stage's F, B and W cost is the median of its measured durations, so laying this
         beside :attr:`timeline` (``timeline.plot(path, compare=pipe.predicted_timeline())``)
-        shows what the runtime lost to waiting, hand-offs and overhead.
+        shows what the runtime lost to waiting, hand-offs and overhead. Each action's memory
+        is the bytes the step counted for it: the count follows the action order and the
+        sizes, never the timing (see ``gpipe.analysis.memory``), so it is the same.
 
         Args:
             transfer: seconds one hand-off between devices takes, for the prediction.
+
+        Raises:
+            RuntimeError: no step has run yet.
+            ValueError: a negative ``transfer``.
         """
+        if not transfer >= 0:  # also rejects nan
+            raise ValueError(f"transfer must be seconds >= 0, got {transfer!r}")
         measured = self.timeline
-        assert self._last_schedule is not None
-        costs = Costs.from_timeline(measured, stages=self._last_schedule.stages)
-        predicted = simulate(self._last_schedule, dataclasses.replace(costs, transfer=transfer))
-        predicted.unit = "s"
-        return predicted
+        schedule = self._last_schedule
+        assert schedule is not None
+        costs = Costs.from_timeline(measured, stages=schedule.stages)
+        predicted = simulate(schedule, dataclasses.replace(costs, transfer=transfer))
+        counted = {
+            (device, event.action): event.memory
+            for device, events in enumerate(measured.events)
+            for event in events
+        }
+        events = [
+            [dataclasses.replace(e, memory=counted.get((device, e.action), 0)) for e in events]
+            for device, events in enumerate(predicted.events)
+        ]
+        return Timeline(events, "s", predicted.schedule)
 
     def forward(self, input: Any) -> Any:
         """Run ``input`` through the pipeline; the output lands on the last device.

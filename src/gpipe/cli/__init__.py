@@ -14,6 +14,8 @@ import os
 import sys
 from collections.abc import Sequence
 
+from gpipe.cli.arguments import CommandError
+
 __all__ = ["build_parser", "main"]
 
 _COMMANDS = {
@@ -34,13 +36,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         The exit code: 0 on success.
 
     Raises:
-        SystemExit: with code 2 on bad arguments (after printing what to fix), or 0 after
-            ``--help``, as argparse does.
+        SystemExit: with code 2 on arguments of the wrong form (after printing what to fix),
+            or 0 after ``--help``, as argparse does. Inputs found bad later (a model that
+            cannot run on the sample shape, say) print one ``gpipe <cmd>: error:`` line and
+            return 2.
     """
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         return int(args.run(args))
+    except CommandError as error:
+        print(f"gpipe {args.command}: error: {error}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

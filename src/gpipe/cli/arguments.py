@@ -1,10 +1,31 @@
-"""Argument types the subcommands share: checked numbers, cost triples, schedule names."""
+"""Argument types the subcommands share: checked numbers, lists, cost triples, schedule names.
+
+Each type raises ``argparse.ArgumentTypeError`` naming the value and the form expected, so a
+bad option ends in argparse's usage and a one-line ``gpipe <cmd>: error: ...``, exit code 2.
+Errors found after parsing raise :class:`CommandError`, which ``gpipe`` reports the same way.
+"""
 
 from __future__ import annotations
 
 import argparse
+import math
+from collections.abc import Callable
 
-__all__ = ["costs", "non_negative_float", "positive_int", "schedule_names"]
+__all__ = [
+    "CommandError",
+    "choices_list",
+    "costs",
+    "non_negative_float",
+    "positive_int",
+    "positive_ints",
+    "schedule_names",
+    "shape",
+    "words",
+]
+
+
+class CommandError(Exception):
+    """A bad input found after parsing; ``gpipe`` prints it as one error line, exit code 2."""
 
 
 def positive_int(text: str) -> int:
@@ -19,29 +40,79 @@ def positive_int(text: str) -> int:
 
 
 def non_negative_float(text: str) -> float:
-    """A number >= 0 (not nan)."""
+    """A finite number >= 0."""
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
-    if not value >= 0:  # also rejects nan
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text}")
+    if not 0 <= value < math.inf:  # also rejects nan
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text}")
     return value
 
 
 def costs(text: str) -> tuple[float, float, float]:
-    """``F,B,W``: three numbers >= 0."""
+    """``F,B,W``: three finite numbers >= 0."""
     parts = text.split(",")
     try:
         values = [float(part) for part in parts]
     except ValueError:
         values = []
-    if len(values) != 3 or not all(v >= 0 for v in values):
+    if len(values) != 3 or not all(0 <= v < math.inf for v in values):
         raise argparse.ArgumentTypeError(
-            f"expected three numbers >= 0 as F,B,W (forward, backward, weight-gradient "
-            f"time per stage), e.g. --costs 1,2,0; got {text!r}"
+            f"expected three finite numbers >= 0 as F,B,W (forward, backward, "
+            f"weight-gradient time per stage), e.g. --costs 1,2,0; got {text!r}"
         )
     return values[0], values[1], values[2]
+
+
+def words(text: str) -> list[str]:
+    """A comma-separated list of non-empty names: ``cpu,cpu``."""
+    items = [item.strip() for item in text.split(",")]
+    if not all(items):
+        raise argparse.ArgumentTypeError(
+            f"expected a comma-separated list without empty entries, e.g. cpu,cpu; got {text!r}"
+        )
+    return items
+
+
+def positive_ints(text: str) -> list[int]:
+    """A comma-separated list of whole numbers >= 1: ``2,4,8``."""
+    try:
+        values = [int(item) for item in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated whole numbers >= 1, e.g. 2,4,8; got {text!r}"
+        )
+    return values
+
+
+def shape(text: str) -> tuple[int, ...]:
+    """A tensor shape without the batch dimension: ``512`` or ``3,32,32``."""
+    try:
+        return tuple(positive_ints(text))
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(
+            f"expected one sample's shape without the batch dimension, as comma-separated "
+            f"whole numbers >= 1, e.g. 512 or 3,32,32; got {text!r}"
+        ) from None
+
+
+def choices_list(known: list[str] | tuple[str, ...]) -> Callable[[str], list[str]]:
+    """A type for a comma-separated list of names, each one of ``known``."""
+
+    def parse(text: str) -> list[str]:
+        names = words(text)
+        unknown = [name for name in names if name not in known]
+        if unknown:
+            raise argparse.ArgumentTypeError(
+                f"unknown {', '.join(map(repr, unknown))} in {text!r}; choose from "
+                f"{','.join(known)}"
+            )
+        return names
+
+    return parse
 
 
 def schedule_names() -> list[str]:

@@ -6,6 +6,7 @@ import argparse
 from collections.abc import Callable, Sequence
 
 from gpipe.cli.arguments import positive_int, schedule_names
+from gpipe.cli.simulate import check_size
 
 __all__ = ["add_arguments", "run"]
 
@@ -54,6 +55,7 @@ def run(args: argparse.Namespace) -> int:
     from gpipe.analysis import BUBBLE_FORMULAS, Costs, bubble_formula, simulate
     from gpipe.schedule import make_schedule
 
+    check_size(max(args.stages), max(args.microbatches), args.virtual_stages)
     costs = Costs(1.0, 1.0, 1.0)
     worst = 0.0
     compared = built = 0

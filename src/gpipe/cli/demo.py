@@ -7,6 +7,8 @@ import os
 import time
 
 from gpipe.analysis import BUBBLE_FORMULAS, bubble_formula
+from gpipe.checkpoint import CHECKPOINT_MODES
+from gpipe.cli.arguments import CommandError, positive_int
 from gpipe.schedule import SCHEDULES
 
 __all__ = ["add_arguments", "run"]
@@ -14,22 +16,45 @@ __all__ = ["add_arguments", "run"]
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The demo's options; the defaults need nothing but a CPU."""
-    parser.add_argument("--stages", type=int, default=4, help="pipeline stages (default 4)")
-    parser.add_argument("--microbatches", type=int, default=8, help="micro-batches (default 8)")
-    parser.add_argument("--steps", type=int, default=30, help="training steps (default 30)")
-    parser.add_argument("--batch", type=int, default=64, help="mini-batch size (default 64)")
+    parser.add_argument(
+        "--stages", type=positive_int, default=4, help="pipeline stages (default 4)"
+    )
+    parser.add_argument(
+        "--microbatches", type=positive_int, default=8, help="micro-batches (default 8)"
+    )
+    parser.add_argument(
+        "--steps", type=positive_int, default=30, help="training steps (default 30)"
+    )
+    parser.add_argument(
+        "--batch",
+        type=positive_int,
+        default=64,
+        help="mini-batch size, at least one sample per micro-batch (default 64)",
+    )
     parser.add_argument(
         "--schedule", default="gpipe", choices=sorted(SCHEDULES), help="schedule for train_step"
     )
-    parser.add_argument(
-        "--checkpoint", default="except_last", choices=["always", "except_last", "never"]
-    )
+    parser.add_argument("--checkpoint", default="except_last", choices=CHECKPOINT_MODES)
     parser.add_argument("--plot", metavar="PNG", help="also draw the last step's timeline")
     parser.add_argument("--seed", type=int, default=0)
 
 
 def run(args: argparse.Namespace) -> int:
-    """Train, print the loss as it falls, then the last step's timeline and its bubble."""
+    """Train, print the loss as it falls, then the last step's timeline and its bubble.
+
+    Raises:
+        CommandError: more stages than the model has layers, fewer samples than
+            micro-batches, a schedule that cannot run this pipeline, or a plot that cannot
+            be written.
+    """
+    k, m = args.stages, args.microbatches
+    if args.batch < m:
+        # NOTE: the pipe would run one micro-batch per sample, fewer than asked for, and
+        # the bubble printed beside the formula for M would not be the run's.
+        raise CommandError(
+            f"--batch {args.batch} cannot make {m} micro-batches of at least one sample: "
+            f"use --batch >= {m} or --microbatches <= {args.batch}"
+        )
     import torch
     from tqdm import tqdm
 
@@ -42,18 +67,18 @@ def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(1)
     config = GPTConfig()
     model = gpt(config)
-    k, m = args.stages, args.microbatches
-    if k < 1 or m < 1 or args.steps < 1 or args.batch < 1:
-        print("gpipe demo: error: --stages, --microbatches, --steps and --batch must be >= 1")
-        return 2
     if k > len(model):
-        print(
-            f"gpipe demo: error: the tiny GPT has {len(model)} layers: use --stages <= {len(model)}"
+        raise CommandError(f"the tiny GPT has {len(model)} layers: use --stages <= {len(model)}")
+    try:
+        pipe = GPipe(
+            model,
+            devices=["cpu"] * k,
+            chunks=m,
+            checkpoint=args.checkpoint,
+            schedule=args.schedule,
         )
-        return 2
-    pipe = GPipe(
-        model, devices=["cpu"] * k, chunks=m, checkpoint=args.checkpoint, schedule=args.schedule
-    )
+    except ValueError as error:  # e.g. a schedule that cannot run K stages and M micro-batches
+        raise CommandError(str(error)) from None
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=3e-3)
     data = torch.Generator().manual_seed(args.seed)
     print(
@@ -92,7 +117,11 @@ def run(args: argparse.Namespace) -> int:
             "other down; on one device per stage they would not)"
         )
     if args.plot:
-        print(f"timeline drawn to {timeline.plot(args.plot, compare=predicted)}")
+        try:
+            drawn = timeline.plot(args.plot, compare=predicted)
+        except OSError as error:
+            raise CommandError(f"cannot write --plot {args.plot}: {error.strerror}") from None
+        print(f"timeline drawn to {drawn}")
     print(
         f"RESULT stages={k} microbatches={m} first_loss={first:.4f} last_loss={last:.4f} "
         f"bubble={timeline.bubble:.4f} bubble_formula={recorded} seconds={seconds:.2f}"

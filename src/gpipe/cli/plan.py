@@ -10,8 +10,19 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import sys
 from typing import TYPE_CHECKING, Any
+
+from gpipe.checkpoint import CHECKPOINT_MODES
+from gpipe.cli.arguments import (
+    CommandError,
+    choices_list,
+    positive_int,
+    positive_ints,
+    schedule_names,
+    shape,
+    words,
+)
+from gpipe.units import parse_bytes
 
 if TYPE_CHECKING:
     from torch import nn
@@ -29,25 +40,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--sample-shape",
+        type=shape,
         metavar="D1,D2,...",
         help="shape of one sample (no batch dimension) for a factory that "
         "returns only the model; the sample is torch.randn(1, D1, D2, ...)",
     )
     group = parser.add_mutually_exclusive_group()
     group.add_argument(
-        "--devices", default=None, help="comma-separated devices (default: cpu,cpu,cpu,cpu)"
+        "--devices",
+        type=words,
+        default=None,
+        help="comma-separated devices (default: cpu,cpu,cpu,cpu)",
     )
-    group.add_argument("--stages", type=int, default=None, help="K: plan for K cpu devices")
+    group.add_argument(
+        "--stages", type=positive_int, default=None, help="K: plan for K cpu devices"
+    )
     parser.add_argument(
-        "--batch-size", type=int, default=16, help="samples per mini-batch (default 16)"
+        "--batch-size", type=positive_int, default=16, help="samples per mini-batch (default 16)"
     )
     parser.add_argument(
         "--chunks",
+        type=positive_ints,
         default=None,
         help="comma-separated chunk counts (default: every divisor of the batch size)",
     )
     parser.add_argument(
         "--memory-per-device",
+        type=_size,
         default=None,
         metavar="SIZE",
         help="memory budget per device, e.g. 200MB or 1.5GiB",
@@ -59,31 +78,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--schedules",
+        type=choices_list(schedule_names()),
         default=None,
         help="comma-separated schedules to consider (default: gpipe,1f1b,interleaved,zb-h1)",
     )
     parser.add_argument(
         "--checkpoints",
+        type=choices_list(CHECKPOINT_MODES),
         default=None,
         help="comma-separated checkpoint modes to consider (default: all three)",
     )
-    parser.add_argument("--top", type=int, default=5, help="plans to rank (default 5)")
-    parser.add_argument("--repeats", type=int, default=5, help="timed runs per layer")
+    parser.add_argument("--top", type=positive_int, default=5, help="plans to rank (default 5)")
+    parser.add_argument("--repeats", type=positive_int, default=5, help="timed runs per layer")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run ``gpipe plan``: print the report and a RESULT line; 2 on bad input."""
+    """Run ``gpipe plan``: print the report and a RESULT line.
+
+    Raises:
+        CommandError: a model that cannot be loaded or run on its sample, or a plan
+            request :func:`gpipe.plan` refuses.
+    """
     from gpipe.planning.planner import DEFAULT_CHECKPOINTS, DEFAULT_SCHEDULES, plan
 
-    schedules = args.schedules.split(",") if args.schedules else list(DEFAULT_SCHEDULES)
-    checkpoints = args.checkpoints.split(",") if args.checkpoints else list(DEFAULT_CHECKPOINTS)
+    model, sample, loss_fn, target = _load_model(args.model, args.sample_shape)
+    devices = ["cpu"] * args.stages if args.stages else args.devices or ["cpu"] * 4
     try:
-        model, sample, loss_fn, target = _load_model(args.model, args.sample_shape)
-        if args.stages is not None:
-            devices = ["cpu"] * args.stages
-        else:
-            devices = (args.devices or "cpu,cpu,cpu,cpu").split(",")
         report = plan(
             model,
             sample,
@@ -93,16 +114,15 @@ def run(args: argparse.Namespace) -> int:
             optimizer=args.optimizer,
             loss_fn=loss_fn,
             target=target,
-            schedules=schedules,
-            chunks=None if args.chunks is None else [int(c) for c in args.chunks.split(",")],
-            checkpoints=checkpoints,
+            schedules=args.schedules or list(DEFAULT_SCHEDULES),
+            chunks=args.chunks,
+            checkpoints=args.checkpoints or list(DEFAULT_CHECKPOINTS),
             top=args.top,
             progress=not args.no_progress,
             repeats=args.repeats,
         )
-    except (ValueError, TypeError, ImportError, AttributeError) as error:
-        print(f"gpipe plan: error: {error}", file=sys.stderr)
-        return 2
+    except (ValueError, TypeError) as error:
+        raise CommandError(str(error)) from None
     best = report.best
     print(report)
     print(
@@ -116,8 +136,26 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _load_model(spec: str | None, shape: str | None) -> tuple[nn.Sequential, Any, Any, Any]:
-    """The model, a sample, and a loss and targets (the built-in GPT only)."""
+def _size(text: str) -> int:
+    """A memory budget: ``200MB``, ``1.5GiB`` or bytes, more than 0."""
+    try:
+        size = parse_bytes(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    if size <= 0:
+        raise argparse.ArgumentTypeError(f"expected a size above 0, like 200MB; got {text!r}")
+    return size
+
+
+def _load_model(
+    spec: str | None, sample_shape: tuple[int, ...] | None
+) -> tuple[nn.Sequential, Any, Any, Any]:
+    """The model, a sample, and a loss and targets (the built-in GPT only).
+
+    Raises:
+        CommandError: a bad ``--model``, a factory that fails, or a model that cannot run
+            on its sample.
+    """
     import torch
 
     if spec is None:
@@ -129,12 +167,41 @@ def _load_model(spec: str | None, shape: str | None) -> tuple[nn.Sequential, Any
         return gpt(config), ids, gpt_loss, targets
     path, _, name = spec.partition(":")
     if not path or not name:
-        raise ValueError(f"--model must be module:function, e.g. mypkg.models:build; got {spec!r}")
-    made = getattr(importlib.import_module(path), name)()
-    if isinstance(made, tuple):
+        raise CommandError(
+            f"--model must be module:function, e.g. mypkg.models:build; got {spec!r}"
+        )
+    try:
+        factory = getattr(importlib.import_module(path), name)
+    except (ImportError, AttributeError) as error:
+        raise CommandError(f"--model {spec}: {error}") from None
+    try:
+        made = factory()
+    except Exception as error:
+        raise CommandError(f"--model {spec}: {path}.{name}() raised {_describe(error)}") from None
+    if isinstance(made, tuple) and len(made) == 2:
         model, sample = made
+        where = f"the sample {spec} returns"
     else:
-        if shape is None:
-            raise ValueError(f"{spec} returns only a model: pass --sample-shape, e.g. 512")
-        model, sample = made, torch.randn(1, *(int(d) for d in shape.split(",")))
+        if sample_shape is None:
+            raise CommandError(f"{spec} returns only a model: pass --sample-shape, e.g. 512")
+        model, sample = made, torch.randn(1, *sample_shape)
+        where = (
+            f"a sample of shape {sample_shape} (--sample-shape: one sample, without its "
+            "batch dimension)"
+        )
+    if not isinstance(model, torch.nn.Sequential):
+        raise CommandError(
+            f"--model {spec} must return an nn.Sequential, got {type(model).__name__}"
+        )
+    try:
+        with torch.no_grad():
+            model(sample)
+    except Exception as error:
+        raise CommandError(f"the model cannot run on {where}: {_describe(error)}") from None
     return model, sample, None, None
+
+
+def _describe(error: BaseException) -> str:
+    """``error`` on one line: its type and the first line of its message."""
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__

@@ -5,12 +5,32 @@ from __future__ import annotations
 import argparse
 import time
 
-from gpipe.cli.arguments import costs, non_negative_float, positive_int, schedule_names
+from gpipe.cli.arguments import (
+    CommandError,
+    costs,
+    non_negative_float,
+    positive_int,
+    schedule_names,
+)
 
 __all__ = ["add_arguments", "run"]
 
 # NOTE: the grid of K=128, M=1024 is 2.8 MB of text and takes 16 s to lay out.
 _GRID_ACTIONS = 2000
+# NOTE: the simulator runs ~400k actions a second and keeps ~100 bytes per action: more than
+# this would take minutes and gigabytes, so it is refused up front instead of seeming to hang.
+MAX_ACTIONS = 4_000_000
+
+
+def check_size(stages: int, microbatches: int, virtual_stages: int = 1) -> None:
+    """Raise CommandError when a K x M (x v) schedule is too large to simulate promptly."""
+    actions = 3 * stages * microbatches * virtual_stages  # F, B and W of every micro-batch
+    if actions > MAX_ACTIONS:
+        raise CommandError(
+            f"K={stages} x M={microbatches} x v={virtual_stages} makes up to {actions:,} "
+            f"actions, more than the {MAX_ACTIONS:,} simulated in seconds: use fewer stages "
+            "or micro-batches (the bubble depends on their ratio)"
+        )
 
 
 def add_arguments(sub: argparse.ArgumentParser) -> None:
@@ -88,13 +108,10 @@ def run(args: argparse.Namespace) -> int:
 
     parser: argparse.ArgumentParser = args.parser
     forward, backward, weight = args.costs
+    v = _virtual_stages(args.schedule, args.virtual_stages)
+    check_size(args.stages, args.microbatches, v)
     try:
-        schedule = make_schedule(
-            args.schedule,
-            args.stages,
-            args.microbatches,
-            virtual_stages=_virtual_stages(args.schedule, args.virtual_stages),
-        )
+        schedule = make_schedule(args.schedule, args.stages, args.microbatches, virtual_stages=v)
         costs = Costs(forward, backward, weight, transfer=args.transfer)
         began = time.perf_counter()
         timeline = simulate(schedule, costs)
@@ -109,12 +126,15 @@ def run(args: argparse.Namespace) -> int:
         print(f"(the step x device grid of {len(schedule)} actions is left out; --grid prints it)")
     print()
     print(format_chart(timeline, width=args.width, color=False if args.no_color else None))
-    if args.plot:
-        title = f"{args.schedule}, K={args.stages}, M={args.microbatches}"
-        print(f"wrote {timeline.plot(args.plot, title=title)}")
-    if args.trace:
-        timeline.to_chrome_trace(args.trace)
-        print(f"wrote {args.trace}")
+    try:
+        if args.plot:
+            title = f"{args.schedule}, K={args.stages}, M={args.microbatches}"
+            print(f"wrote {timeline.plot(args.plot, title=title)}")
+        if args.trace:
+            timeline.to_chrome_trace(args.trace)
+            print(f"wrote {args.trace}")
+    except OSError as error:
+        raise CommandError(f"cannot write {error.filename}: {error.strerror}") from None
     peaks = ",".join(f"{m:g}" for m in timeline.peak_memory)
     print(
         f"RESULT schedule={args.schedule} stages={args.stages} "

@@ -31,6 +31,7 @@ from gpipe.balance import balance_costs
 from gpipe.balance.profiler import Profile, profile
 from gpipe.checkpoint import check_checkpoint
 from gpipe.planning.report import Plan, PlanReport, Rejection
+from gpipe.runtime.devices import as_devices
 from gpipe.schedule import SCHEDULES, make_schedule
 from gpipe.structure import map_tensors
 from gpipe.units import format_bytes, parse_bytes
@@ -120,13 +121,7 @@ def plan(
     _check_int("top", top)
     if top < 1:
         raise ValueError(f"top must be >= 1, got {top}")
-    if isinstance(devices, (str, torch.device, int)) or not devices:
-        raise ValueError(
-            f"devices must list at least one device, e.g. devices=['cpu'] * 4; got {devices!r}"
-        )
-    names = [
-        str(torch.device("cuda", d) if isinstance(d, int) else torch.device(d)) for d in devices
-    ]
+    names = [str(device) for device in as_devices(devices)]
     budget = None if memory_per_device is None else _budget(memory_per_device)
     for name in schedules:
         if name not in SCHEDULES:
@@ -158,6 +153,12 @@ def plan(
         if not (name == "interleaved" and (k < 2 or 2 * k > layers))
         for mode in modes
     ]
+    if not candidates:
+        raise ValueError(
+            f"nothing to plan: {', '.join(schedules)} on {len(names)} device(s) and "
+            f"{layers} layer(s) gives no candidate ('interleaved' needs at least 2 devices "
+            "and 2 layers per device); add devices or other schedules"
+        )
     from tqdm import tqdm
 
     if action_overhead is not None and not action_overhead >= 0:

@@ -94,14 +94,21 @@ class PipelineBackward(torch.autograd.Function):
     def forward(ctx: Any, meta: Any, phony: torch.Tensor, *tensors: torch.Tensor) -> Any:
         _, _, inputs, _, _ = meta
         ctx.meta = meta
+        # NOTE: saved so that autograd itself frees it after a backward without
+        # retain_graph: a second backward then fails as it does in plain PyTorch.
+        ctx.save_for_backward(phony)
         ctx.set_materialize_grads(False)
         n_inputs = sum(len(group) for group in inputs)
         return tuple(t.view_as(t) for t in tensors[n_inputs:])
 
     @staticmethod
     def backward(ctx: Any, *grad_outputs: torch.Tensor | None) -> Any:
+        ctx.saved_tensors  # noqa: B018 -- raises autograd's own error on a second backward
         step, backward, inputs, masks, differentiable = ctx.meta
-        ctx.meta = None  # free the step's saved state once the backward is done
+        retain = _retains_graph()
+        if not retain:
+            ctx.meta = None  # free the step's saved state once the backward is done
+        step.state.retain_graph = retain
         last = step.stages.last
         grads = iter(grad_outputs)
         for i, mask in enumerate(differentiable):
@@ -119,3 +126,14 @@ class PipelineBackward(torch.autograd.Function):
                 None if g is None else g.to(leaf.device) for g, leaf in zip(chosen, group)
             ]
         return (None, None, *input_grads, *([None] * (len(grad_outputs))))
+
+
+def _retains_graph() -> bool:
+    """Whether the running backward keeps the graph for another (``retain_graph=True``).
+
+    NOTE: autograd has no public way to ask; this is the call PyTorch's own compiled
+    autograd functions make (torch/_functorch/_aot_autograd). Without it, say yes: keeping
+    the stages' state until the graph goes is safe, freeing it too early is not.
+    """
+    ask = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+    return True if ask is None else bool(ask())
