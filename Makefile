@@ -34,6 +34,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/latency.py
 	$(BIN)/python benchmarks/overhead.py
 	$(BIN)/python benchmarks/plan.py
+	$(BIN)/python benchmarks/memory.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info

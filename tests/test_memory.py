@@ -1,8 +1,9 @@
-"""The bytes each stage holds for backward follow the schedule's memory model.
+"""The bytes each device holds follow the memory model (gpipe.analysis.memory), action by action.
 
 The model has K identical stages (Linear(w, w) + Tanh) and every micro-batch has the same
-number of samples, so one micro-batch holds the same A bytes on every middle stage: its
-stage input (which Linear saves) and its Tanh output. A is measured from a run with M = 1.
+number of samples, so one micro-batch keeps the same bytes on every middle stage: its stage
+input (which Linear saves) and its Tanh output; a backward also holds the gradients it
+receives and sends, each the size of a stage input. The sizes are worked out by hand below.
 """
 
 from __future__ import annotations

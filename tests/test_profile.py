@@ -229,3 +229,11 @@ def test_split_backward_measures_the_weight_gradient_part() -> None:
     assert 0.005 < measured.weight[0] < 0.020  # about 10 ms of a 30 ms backward
     assert measured.backward[0] > 0.029
     assert profile(nn.Sequential(layer), torch.randn(2, 3), repeats=1).weight == []
+
+
+def test_split_profile_measures_what_b_keeps_for_w() -> None:
+    # W of a Linear resumes from the gradient of its output; Tanh has no parameters
+    model = nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 2))
+    measured = quick(model, torch.randn(4, 3), split_backward=True)
+    assert measured.deferred_bytes == [4 * 5 * FLOAT, 0, 4 * 2 * FLOAT]
+    assert quick(model, torch.randn(4, 3)).deferred_bytes == []

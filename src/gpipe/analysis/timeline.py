@@ -16,8 +16,11 @@ __all__ = ["Event", "Timeline"]
 class Event:
     """One action as it ran (or was simulated) on a device.
 
-    ``memory`` is the most bytes the device held for backward while the action ran:
-    activations saved by autograd plus stashed stage inputs, of every micro-batch in flight.
+    ``memory`` is the most bytes the device held while the action ran: the stage inputs
+    and the activations autograd saved of every micro-batch in flight, and what a backward
+    holds while it runs (the gradients it receives and sends, a recomputation) or keeps for
+    W. :mod:`gpipe.analysis.memory` states the rule; a simulated timeline counts in the
+    cost model's units.
     """
 
     action: Action
