@@ -194,6 +194,7 @@ def test_bubble_formulas_follow_the_papers() -> None:
         (["plan", "--memory-per-device", "lots"], "like 200MB"),
         (["plan", "--top", "0"], "expected a whole number >= 1, got 0"),
         (["demo", "--microbatches", "0"], "expected a whole number >= 1, got 0"),
+        (["demo", "--seed", str(2**70)], "expected a whole number from -2**63 to 2**64 - 1"),
     ],
 )
 def test_bad_arguments_exit_2_naming_the_fix(
@@ -273,6 +274,7 @@ def test_demo_trains_and_reports_bubble_beside_formula(capsys: pytest.CaptureFix
         (["simulate", "-K", "1000", "-M", "100000"], "use fewer stages or micro-batches"),
         (["bubble", "-M", "4", "10000000"], "use fewer stages or micro-batches"),
         (["simulate", "-K", "2", "-M", "2", "--trace", "/proc/no/t.json"], "cannot write"),
+        (["demo", "--plot", "."], "--plot . is a folder: give a file name"),
     ],
 )
 def test_bad_inputs_found_after_parsing_print_one_error_line_and_exit_2(

@@ -256,6 +256,13 @@ def test_bad_batches_name_the_fix(batch: object, error: type, match: str) -> Non
         pipe(batch)
 
 
+def test_loss_fn_must_be_a_function() -> None:
+    pipe = GPipe(make_mlp(2), [2, 2], chunks=2)
+    x = torch.randn(4, 6, dtype=torch.float64)
+    with pytest.raises(TypeError, match=r"loss_fn must be a function .* got 'mse'"):
+        pipe.train_step(x, x, "mse")  # type: ignore[arg-type]
+
+
 def test_target_batch_must_match_input() -> None:
     pipe = GPipe(make_mlp(2), [2, 2], chunks=2)
     with pytest.raises(ValueError, match="target has batch size 3 but input has 4"):

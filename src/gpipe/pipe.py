@@ -425,7 +425,8 @@ class GPipe(nn.Module):
         Raises:
             ValueError: a target batch that does not match the input, a bad reduction, or
                 a weight that is negative, not finite, or zero for every micro-batch.
-            TypeError: a weight that is not a number or a 0-dim tensor.
+            TypeError: a weight that is not a number or a 0-dim tensor, or a ``loss_fn``
+                that is not callable.
         """
         if reduction not in ("mean", "sum"):
             raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
@@ -433,6 +434,11 @@ class GPipe(nn.Module):
             raise ValueError(
                 "microbatch_weight weights micro-batch losses that are means, as "
                 "reduction='mean' does; with a summed loss drop it (reduction='sum' adds them)"
+            )
+        if not callable(loss_fn):
+            raise TypeError(
+                f"loss_fn must be a function loss_fn(output, target) -> scalar, such as "
+                f"torch.nn.functional.mse_loss; got {loss_fn!r}"
             )
         if not torch.is_grad_enabled():
             raise RuntimeError("train_step needs autograd: call it outside torch.no_grad()")

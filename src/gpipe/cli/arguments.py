@@ -19,6 +19,7 @@ __all__ = [
     "positive_int",
     "positive_ints",
     "schedule_names",
+    "seed",
     "shape",
     "words",
 ]
@@ -63,6 +64,19 @@ def costs(text: str) -> tuple[float, float, float]:
             f"weight-gradient time per stage), e.g. --costs 1,2,0; got {text!r}"
         )
     return values[0], values[1], values[2]
+
+
+def seed(text: str) -> int:
+    """A random seed, in the range ``torch.manual_seed`` takes."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or not -(2**63) <= value < 2**64:
+        raise argparse.ArgumentTypeError(
+            f"expected a whole number from -2**63 to 2**64 - 1, got {text!r}"
+        )
+    return value
 
 
 def words(text: str) -> list[str]:

@@ -8,7 +8,7 @@ import time
 
 from gpipe.analysis import BUBBLE_FORMULAS, bubble_formula
 from gpipe.checkpoint import CHECKPOINT_MODES
-from gpipe.cli.arguments import CommandError, positive_int
+from gpipe.cli.arguments import CommandError, positive_int, seed
 from gpipe.schedule import SCHEDULES
 
 __all__ = ["add_arguments", "run"]
@@ -36,7 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--checkpoint", default="except_last", choices=CHECKPOINT_MODES)
     parser.add_argument("--plot", metavar="PNG", help="also draw the last step's timeline")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=seed, default=0)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -48,6 +48,8 @@ def run(args: argparse.Namespace) -> int:
             be written.
     """
     k, m = args.stages, args.microbatches
+    if args.plot and os.path.isdir(args.plot):
+        raise CommandError(f"--plot {args.plot} is a folder: give a file name, e.g. step.png")
     if args.batch < m:
         # NOTE: the pipe would run one micro-batch per sample, fewer than asked for, and
         # the bubble printed beside the formula for M would not be the run's.
