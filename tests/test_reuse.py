@@ -137,7 +137,13 @@ def test_reused_parameter_free_layer_may_span_devices() -> None:
     )
 
 
-def test_pipe_refuses_shared_parameters_across_devices_before_moving_anything() -> None:
+def test_pipe_refuses_shared_parameters_across_devices_before_moving_anything(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # NOTE: the pipe refuses devices the machine lacks first; pretend to have one GPU, as
+    # the refusal comes before anything would touch it
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     model = _reused_linear()
     with pytest.raises(ValueError, match="layers 0 and 2"):
         GPipe(model, [1, 4], devices=["cpu", "cuda:0"])
