@@ -53,9 +53,25 @@ def tensor_bytes(tensor: torch.Tensor) -> int:
 
 
 def gradient_bytes(value: Any) -> int:
-    """The bytes of the tensors in ``value`` (gradients passed on or kept), each tensor once."""
-    found = {id(t): t for t in leaves(value) if isinstance(t, torch.Tensor)}
-    return sum(tensor_bytes(t) for t in found.values())
+    """The bytes of the tensors in ``value`` (gradients passed on or kept), each tensor once.
+
+    NOTE: this runs on every backward; the common values (None, a tensor, a flat list of
+    gradients) skip the tree walk.
+    """
+    if value is None:
+        return 0
+    if isinstance(value, torch.Tensor):
+        return tensor_bytes(value)
+    flat = value if isinstance(value, list) else leaves(value)
+    seen: set[int] = set()
+    total = 0
+    for item in flat:
+        if isinstance(item, torch.Tensor) and id(item) not in seen:
+            seen.add(id(item))
+            total += tensor_bytes(item)
+        elif isinstance(item, list):
+            total += gradient_bytes(item)  # nested lists: the grads of W's resume points
+    return total
 
 
 def _storage(tensor: torch.Tensor) -> tuple[int, int] | None:

@@ -13,7 +13,7 @@ from gpipe.analysis import Event
 from gpipe.batchnorm import recomputing
 from gpipe.checkpoint import checkpointed
 from gpipe.randomness import RandomProbe, seeded, stream_seed
-from gpipe.runtime.saved import SavedBytes, gradient_bytes, storage_keys
+from gpipe.runtime.saved import SavedBytes, gradient_bytes, storage_keys, tensor_bytes
 from gpipe.runtime.split_backward import backward_input, backward_weight
 from gpipe.runtime.stages import Stages
 from gpipe.runtime.state import Saved, StepState
@@ -31,6 +31,8 @@ def _as_leaves(value: Any) -> Any:
 
 def _kept_bytes(inputs: Any) -> int:
     """What a checkpointed micro-batch keeps: its stage input, by the counter's rule."""
+    if isinstance(inputs, torch.Tensor):  # the common case, on every checkpointed forward
+        return tensor_bytes(inputs)
     counter = SavedBytes()
     counter.keep(inputs)
     return counter.nbytes
