@@ -131,9 +131,11 @@ class GPipe(nn.Module):
             once. An LSTM's ``(out, (h, c))`` is ``(0, 1)``. Default 0.
 
     Raises:
-        TypeError: ``module`` is not an ``nn.Sequential``, or ``balance`` is not a list.
-        ValueError: an inconsistent balance, devices, chunks, checkpoint or schedule, or a
-            layer whose parameters two devices would share.
+        TypeError: ``module`` is not an ``nn.Sequential``, ``balance`` is not a list or a
+            name, a device is not a device, name or index, or a flag is not a bool.
+        ValueError: an inconsistent balance, devices, chunks, checkpoint or schedule, a
+            device this machine does not have (or "meta"), or a layer whose parameters two
+            devices would share.
     """
 
     def __init__(
