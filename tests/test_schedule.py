@@ -20,7 +20,11 @@ from gpipe.schedule import (
     make_schedule,
     one_f_one_b,
     to_csv,
+    v_shape,
+    validate,
     zb_h1,
+    zb_h2,
+    zb_v,
 )
 
 
@@ -99,6 +103,48 @@ def test_zb_h1_defers_each_devices_weight_gradients_by_its_index():
     ]
 
 
+def test_zb_h2_warms_up_with_2k_minus_2k_minus_1_forwards_then_runs_without_a_gap():
+    assert lists(zb_h2(3, 5)) == [
+        "0F0 0F1 0F2 0F3 0F4 0B0 0W0 0B1 0W1 0B2 0W2 0B3 0W3 0B4 0W4",
+        "1F0 1F1 1F2 1B0 1F3 1B1 1F4 1B2 1W0 1B3 1W1 1B4 1W2 1W3 1W4",
+        "2F0 2B0 2F1 2B1 2F2 2B2 2F3 2B3 2F4 2B4 2W0 2W1 2W2 2W3 2W4",
+    ]
+
+
+def test_zb_v_places_stage_d_and_2k_minus_1_minus_d_on_device_d():
+    schedule = zb_v(3, 3)
+    assert schedule.stages == 6
+    assert schedule.placement == v_shape(3) == (0, 1, 2, 2, 1, 0)
+    assert lists(schedule) == [
+        "0F0 0F1 0F2 5F0 5B0 5F1 5B1 5F2 5B2 0B0 5W0 0B1 5W1 0B2 5W2 0W0 0W1 0W2",
+        "1F0 1F1 1F2 4F0 4F1 4B0 4F2 4B1 1B0 4B2 1B1 4W0 1B2 4W1 1W0 4W2 1W1 1W2",
+        "2F0 3F0 2F1 3F1 2F2 3F2 3B0 2B0 3B1 2B1 3B2 2B2 3W0 2W0 3W1 2W1 3W2 2W2",
+    ]
+
+
+def test_gpipe_fill_drain_follows_any_placement():
+    # What pipe(x) runs on a zb-v pipe: each device's stages in order, forwards then back.
+    assert lists(gpipe(2, 2, virtual_stages=2, placement=v_shape(2))) == [
+        "0F0 0F1 3F0 3F1 3B1 3B0 0B1 0B0",
+        "1F0 1F1 2F0 2F1 2B1 2B0 1B1 1B0",
+    ]
+    with pytest.raises(ValueError, match=r"must give each of the 2 devices 2 of the 4 stages"):
+        gpipe(2, 2, virtual_stages=2, placement=(0, 0, 0, 1))
+
+
+def test_interleaved_on_two_devices_takes_messages_in_the_order_they_were_sent():
+    # M = 5 on 2 devices: the uneven first group would have device 1 take 1F3's input
+    # before 1B0's gradient, which device 0 sends first. Device 1 takes 1B0 first instead;
+    # it then sends 1B0's gradient before 1F3's output, and device 0 takes those in that
+    # order too (0B0 before 2F3).
+    schedule = interleaved(2, 5, virtual_stages=2)
+    assert lists(schedule) == [
+        "0F0 0F1 0F2 2F0 2F1 2F2 2B0 0F3 2B1 0F4 2B2 0B0 2F3 0B1 2F4 0B2 2B3 2B4 0B3 0B4",
+        "1F0 1F1 1F2 3F0 3B0 3F1 3B1 3F2 3B2 1B0 1F3 1B1 1F4 1B2 3F3 3F4 3B3 3B4 1B3 1B4",
+    ]
+    validate(schedule)
+
+
 @pytest.mark.parametrize(
     ("generator", "schedule"),
     [
@@ -106,8 +152,10 @@ def test_zb_h1_defers_each_devices_weight_gradients_by_its_index():
         (one_f_one_b, one_f_one_b(3, 4)),
         (interleaved, interleaved(2, 4, virtual_stages=2)),
         (zb_h1, zb_h1(3, 4)),
+        (zb_h2, zb_h2(3, 5)),
+        (zb_v, zb_v(3, 3)),
     ],
-    ids=["gpipe", "1f1b", "interleaved", "zb-h1"],
+    ids=["gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zb-v"],
 )
 def test_docstring_picture_is_the_unit_time_simulation(generator, schedule):
     docstring = textwrap.dedent(inspect.getdoc(generator) or "")
@@ -116,10 +164,23 @@ def test_docstring_picture_is_the_unit_time_simulation(generator, schedule):
 
 
 def test_make_schedule_knows_every_generator_by_name():
-    assert sorted(SCHEDULES) == ["1f1b", "gpipe", "interleaved", "zb-h1"]
+    assert sorted(SCHEDULES) == ["1f1b", "auto", "gpipe", "interleaved", "zb-h1", "zb-h2", "zb-v"]
     for name in SCHEDULES:
-        assert make_schedule(name, 2, 3).name == name
+        v = 2 if name == "zb-v" else 1
+        assert make_schedule(name, 2, 3, virtual_stages=v).name == name
     assert make_schedule("interleaved", 2, 4, virtual_stages=3).stages == 6
+
+
+def test_make_schedule_tells_zb_v_to_take_two_stages_per_device():
+    with pytest.raises(ValueError, match="virtual_stages=2"):
+        make_schedule("zb-v", 2, 4)
+    assert make_schedule("zb-v", 2, 4, virtual_stages=2).placement == (0, 1, 1, 0)
+
+
+def test_make_schedule_passes_options_only_to_generators_that_take_them():
+    with pytest.raises(ValueError, match=r"'zb-h1' takes no option 'memory_limit'"):
+        make_schedule("zb-h1", 2, 4, memory_limit=3)
+    assert make_schedule("auto", 2, 4, memory_limit=3).name == "auto"
 
 
 def test_make_schedule_rejects_virtual_stages_for_one_stage_per_device_schedules():
@@ -180,6 +241,7 @@ def test_csv_round_trip_is_exact_for_every_schedule():
         one_f_one_b(4, 6),
         interleaved(3, 7, virtual_stages=3),
         zb_h1(4, 5),
+        zb_v(3, 4),
     ]:
         text = to_csv(schedule)
         assert from_csv(text) == schedule

@@ -18,12 +18,26 @@ from torch.testing import assert_close
 
 from conftest import make_mlp, reference_step
 from gpipe import GPipe
+from gpipe.analysis import Costs, search
+from gpipe.schedule import v_shape
 
 LAYERS = 8  # make_mlp blocks; without dropout the model has 2 * LAYERS modules
 
-# (schedule, virtual stages): interleaved at v = 2 and v = 3 (K·v <= 12 model stages here).
-SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 3), ("zb-h1", 1)]
+# (schedule, virtual stages): interleaved at v = 2 and v = 3 (K·v <= 12 model stages here);
+# zb-v and auto with two stages per device lay them out in a V.
+SCHEDULES = [
+    ("gpipe", 1),
+    ("1f1b", 1),
+    ("interleaved", 2),
+    ("interleaved", 3),
+    ("zb-h1", 1),
+    ("zb-h2", 1),
+    ("zb-v", 2),
+    ("auto", 1),
+    ("auto", 2),
+]
 SCHEDULE_IDS = [name if v == 1 else f"{name}-v{v}" for name, v in SCHEDULES]
+SPLIT = ("zb-h1", "zb-h2", "zb-v", "auto")  # schedules with separate W actions
 CHECKPOINTS = ["always", "except_last", "never"]
 
 # (K devices, M micro-batches, batch size): one micro-batch; M < K; M not a multiple of K with
@@ -88,13 +102,67 @@ def test_every_schedule_equals_plain_training(
     for param, expected in zip(model.parameters(), expected_grads):
         assert_close(param.grad, expected)
     # the step ran the schedule it was asked for: every F (and B, W) of every micro-batch once
-    kinds = {"zb-h1": "BFW"}.get(schedule, "BF")
+    kinds = "BFW" if schedule in SPLIT else "BF"
     for device in pipe.timeline.events:
         stages = {e.action.stage for e in device}
         assert len(stages) == v
         assert sorted((e.action.stage, e.action.kind, e.action.microbatch) for e in device) == [
             (s, kind, i) for s in sorted(stages) for kind in kinds for i in range(m)
         ]
+
+
+@pytest.mark.parametrize("checkpoint", CHECKPOINTS)
+@pytest.mark.parametrize(("k", "m", "n"), [(2, 3, 7), (3, 2, 5), (4, 8, 8)], ids=str)
+def test_zb_v_pipe_holds_stages_in_a_v_for_train_step_and_pipe_call(
+    k: int, m: int, n: int, checkpoint: str
+) -> None:
+    x, target = batch(n)
+    expected_out, expected_loss, expected_grads, _ = reference_step(
+        make_mlp(LAYERS), x, target, F.mse_loss
+    )
+    model = make_mlp(LAYERS)
+    pipe = make_pipe(model, "zb-v", 2, k, m, checkpoint)
+    held = [{s for s, d in enumerate(v_shape(k)) if d == device} for device in range(k)]
+
+    loss = pipe.train_step(x, target, F.mse_loss)
+    assert_close(loss, expected_loss)
+    for param, expected in zip(model.parameters(), expected_grads):
+        assert_close(param.grad, expected)
+    assert [{e.action.stage for e in d} for d in pipe.timeline.events] == held
+
+    # pipe(x) runs GPipe's fill-drain over the same V placement.
+    model.zero_grad(set_to_none=True)
+    output = pipe(x)
+    F.mse_loss(output, target).backward()
+    assert_close(output, expected_out)
+    for param, expected in zip(model.parameters(), expected_grads):
+        assert_close(param.grad, expected)
+    assert [{e.action.stage for e in d} for d in pipe.timeline.events] == held
+
+
+def test_pipe_runs_a_schedule_object_searched_with_given_costs() -> None:
+    x, target = batch(9)
+    _, expected_loss, expected_grads, _ = reference_step(make_mlp(LAYERS), x, target, F.mse_loss)
+    schedule = search(3, 5, costs=Costs(forward=1, backward=2, weight=1), memory_limit=4)
+    model = make_mlp(LAYERS)
+    pipe = GPipe(model, [6, 5, 5], devices=["cpu"] * 3, chunks=5, schedule=schedule)
+    loss = pipe.train_step(x, target, F.mse_loss)
+    assert_close(loss, expected_loss)
+    for param, expected in zip(model.parameters(), expected_grads):
+        assert_close(param.grad, expected)
+    assert pipe.timeline.schedule == "auto"
+
+
+def test_pipe_rejects_a_schedule_object_for_another_size() -> None:
+    schedule = search(3, 5)
+    with pytest.raises(ValueError, match=r"3 devices x 3 stages, but the pipe has 2 devices"):
+        GPipe(make_mlp(LAYERS), [8, 8], devices=["cpu"] * 2, chunks=5, schedule=schedule)
+    with pytest.raises(ValueError, match="virtual_stages=2"):
+        GPipe(make_mlp(LAYERS), [4] * 4, devices=["cpu"] * 2, chunks=5, schedule="zb-v")
+    pipe = GPipe(make_mlp(LAYERS), [6, 5, 5], devices=["cpu"] * 3, chunks=5, schedule=schedule)
+    x, target = batch(3)  # 3 samples split into 3 micro-batches, not 5
+    with pytest.raises(ValueError, match=r"built for 5 micro-batches, but this batch splits"):
+        pipe.train_step(x, target, F.mse_loss)
 
 
 def test_sgd_steps_follow_plain_training_under_every_schedule() -> None:
@@ -243,7 +311,7 @@ class FailingLinear(nn.Linear):
 @pytest.mark.timeout(20)
 @pytest.mark.parametrize("when", ["forward", "input", "weight"])
 @pytest.mark.parametrize(
-    ("schedule", "v"), [("1f1b", 1), ("interleaved", 2), ("zb-h1", 1)], ids=str
+    ("schedule", "v"), [("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-v", 2)], ids=str
 )
 def test_exception_in_a_stage_propagates_without_hang_and_next_step_works(
     schedule: str, v: int, when: str
@@ -262,7 +330,7 @@ def test_exception_in_a_stage_propagates_without_hang_and_next_step_works(
 
     failing.when = when
     kind = "forward" if when == "forward" else "backward"
-    if when == "weight" and schedule == "zb-h1":
+    if when == "weight" and schedule in SPLIT:
         kind = "weight gradient"
     with pytest.raises(ArithmeticError, match=rf"broken .*stage 1, .*during {kind}"):
         pipe.train_step(x, target, F.mse_loss)

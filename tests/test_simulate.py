@@ -6,7 +6,15 @@ import time
 
 import pytest
 
-from gpipe.analysis import Costs, Event, Timeline, costs_from_timeline, simulate
+from gpipe.analysis import (
+    Costs,
+    Event,
+    Timeline,
+    bubble_formula,
+    costs_from_timeline,
+    paper_bubble,
+    simulate,
+)
 from gpipe.schedule import (
     Action,
     Schedule,
@@ -16,6 +24,8 @@ from gpipe.schedule import (
     make_schedule,
     one_f_one_b,
     zb_h1,
+    zb_h2,
+    zb_v,
 )
 
 EQUAL = Costs(forward=1, backward=1, weight=1)  # for split schedules: F = B = W
@@ -70,6 +80,92 @@ def test_zb_h1_peak_memory_is_no_more_than_1f1b():
             split = simulate(zb_h1(k, m), EQUAL).peak_memory
             assert max(split) == max(simulate(one_f_one_b(k, m)).peak_memory) == min(k, m)
             assert all(peak <= min(k, m) for peak in split)
+
+
+def test_zb_h2_takes_as_long_as_zb_h1_alone_and_idles_nowhere_back_to_back():
+    # One step alone cannot beat 3M+K-1: the last device waits K-1 forwards for its input.
+    for k in range(1, 9):
+        for m in range(k, 3 * k + 1):
+            timeline = simulate(zb_h2(k, m), EQUAL)
+            assert timeline.makespan == 3 * m + k - 1
+            assert timeline.bubble == pytest.approx(bubble_formula("zb-h2", k, m, 1), abs=1e-12)
+            if m >= 2 * k - 1:  # steady state reached: every device busy from start to end
+                assert timeline.spans == [3 * m] * k
+                assert timeline.steady_bubble == 0
+
+
+def test_zb_h2_holds_2k_minus_1_microbatches_on_every_device():
+    for k in range(1, 9):
+        for m in range(1, 3 * k):
+            assert simulate(zb_h2(k, m), EQUAL).peak_memory == [min(2 * k - 1, m)] * k
+
+
+def test_zb_v_takes_the_least_time_one_step_can_take():
+    # Units: one action on one of the 2K stages, half a device's share. The last device
+    # waits K-1 for its first input, then works 6M: (K-1)/(6M+K-1), half of ZB-H1's.
+    for k in range(1, 9):
+        for m in range(k, 3 * k + 1):
+            timeline = simulate(zb_v(k, m), EQUAL)
+            assert timeline.makespan == 6 * m + k - 1
+            assert timeline.bubble == pytest.approx((k - 1) / (6 * m + k - 1), abs=1e-12)
+            assert timeline.bubble == pytest.approx(bubble_formula("zb-v", k, m, 2), abs=1e-12)
+
+
+def test_zb_v_holds_1f1b_memory_on_every_device():
+    # 2K stage-micro-batches of half a device's share each: 1F1B's K micro-batches.
+    for k in range(1, 9):
+        for m in range(1, 3 * k):
+            assert simulate(zb_v(k, m), EQUAL).peak_memory == [min(2 * k, 2 * m)] * k
+
+
+def test_zb_v_is_faster_than_1f1b_and_zb_h1_on_the_same_model():
+    # The same model: a 1F1B stage is two zb-v stages, so F = B = W = 2 there, 1 in zb-v.
+    whole = Costs(forward=2, backward=2, weight=2)
+    for k, m in [(4, 8), (4, 16), (8, 16)]:
+        v = simulate(zb_v(k, m), EQUAL).makespan
+        assert v == 6 * m + k - 1
+        assert simulate(zb_h1(k, m), whole).makespan == 2 * (3 * m + k - 1) > v
+        assert simulate(one_f_one_b(k, m), whole).makespan == 6 * (m + k - 1) > v
+
+
+@pytest.mark.parametrize(
+    ("f", "b", "w"), [(1, 1, 1), (1, 2, 1), (2, 1, 1), (1, 1, 0.5), (2, 3, 1), (3, 1, 0.5)]
+)
+def test_idle_time_back_to_back_is_the_zero_bubble_papers_formula(f, b, w):
+    # Qi et al. 2024, table 2: 1F1B (p-1)(F+B+W), ZB-H1 (p-1)(F+B-W), ZB-H2 (p-1)(F+B-2W).
+    costs = Costs(forward=f, backward=b, weight=w)
+    for k in range(1, 7):
+        for m in range(2 * k - 1, 3 * k + 1):
+            for name in ("1f1b", "zb-h1", "zb-h2"):
+                timeline = simulate(make_schedule(name, k, m), costs)
+                idle = max(timeline.spans) - m * (f + b + w)
+                assert idle == pytest.approx(paper_bubble(name, k, m, f, b, w)), (name, k, m)
+
+
+def test_zero_bubble_papers_headline_figures():
+    # Qi et al. 2024 with T_F = T_B = T_W, steps back to back: bubble rate (bubble over
+    # work) 1F1B (p-1)/m, ZB-H1 (p-1)/3m, ZB-H2 0; activation memory against 1F1B: 1x,
+    # 1x, (2p-1)/p ("2x"); ZB-V 1x at zero bubble with 2 chunks of half a stage each
+    # (the paper's ZB-V idles nowhere steps back to back; ours keeps each pair's message
+    # order and so idles K-1-d on device d, though one step alone takes no longer).
+    k, m = 4, 12
+    work = 3 * m
+    timelines = {name: simulate(make_schedule(name, k, m), EQUAL) for name in ("1f1b", "zb-h1")}
+    timelines["zb-h2"] = simulate(zb_h2(k, m), EQUAL)
+    rate = {n: (max(t.spans) - work) / work for n, t in timelines.items()}
+    assert rate == {"1f1b": (k - 1) / m, "zb-h1": (k - 1) / (3 * m), "zb-h2": 0}
+    peak = {n: max(t.peak_memory) for n, t in timelines.items()}
+    assert peak == {"1f1b": k, "zb-h1": k, "zb-h2": 2 * k - 1}
+    v = simulate(zb_v(k, m), EQUAL)
+    assert max(v.peak_memory) / 2 == k  # in whole-stage units
+    assert v.makespan == 2 * work + k - 1
+
+
+def test_steady_bubble_measures_each_device_from_its_own_start():
+    timeline = simulate(zb_h1(3, 4), EQUAL)
+    assert timeline.spans == [14, 13, 12]
+    assert timeline.steady_bubble == pytest.approx(1 - 36 / (3 * 14))
+    assert Timeline([[], []]).steady_bubble == 0.0
 
 
 def test_transfer_time_is_paid_once_per_device_crossing():

@@ -8,14 +8,18 @@ from hypothesis import strategies as st
 
 from gpipe.analysis import simulate
 from gpipe.schedule import (
+    SCHEDULES,
     Action,
+    Message,
     Schedule,
     ScheduleError,
+    communication,
     gpipe,
     interleaved,
     make_schedule,
     one_f_one_b,
     run_in_steps,
+    v_shape,
     validate,
     zb_h1,
 )
@@ -33,7 +37,7 @@ def rejection(schedule: Schedule) -> str:
     return str(error.value)
 
 
-@pytest.mark.parametrize("name", ["gpipe", "1f1b", "zb-h1"])
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "zb-h1", "zb-h2"])
 def test_accepts_every_one_stage_per_device_schedule(name):
     for stages in range(1, 9):
         for microbatches in range(1, 17):
@@ -151,13 +155,18 @@ def shuffled_schedules(draw: st.DrawFn) -> Schedule:
 @settings(max_examples=150, deadline=None)
 @given(shuffled_schedules())
 def test_validator_and_simulator_agree_on_which_orders_can_run(schedule):
+    finishes = run_in_steps(schedule).finished(schedule)
     try:
         validate(schedule)
-    except ScheduleError:
-        with pytest.raises(ScheduleError):
+    except ScheduleError as error:
+        if finishes:  # it runs in one process, but a pair's messages would cross
+            assert "matched in order" in str(error)
             simulate(schedule)
-        assert not run_in_steps(schedule).finished(schedule)
+        else:
+            with pytest.raises(ScheduleError):
+                simulate(schedule)
     else:
+        assert finishes
         timeline = simulate(schedule)
         assert sum(len(events) for events in timeline.events) == len(schedule)
 
@@ -172,3 +181,97 @@ def test_gpipe_reversed_backward_still_valid_and_forward_first_required():
     validate(gpipe(2, 2))
     message = rejection(schedule_of("0B0 0F0", microbatches=1))
     assert "0B0 on device 0 waits for 0F0, which device 0 runs only later (position 1)" in message
+
+
+# -- messages between each pair of devices keep their order --------------------------------
+
+
+def test_communication_lists_each_devices_sends_and_receives_in_action_order():
+    schedule = one_f_one_b(2, 2)  # 0F0 0F1 0B0 0B1 / 1F0 1B0 1F1 1B1
+    messages = communication(schedule)
+    got = [[(m.direction, m.peer, *m.tag, str(m.action)) for m in d] for d in messages]
+    assert got == [
+        [
+            ("send", 1, "act", 1, 0, "0F0"),
+            ("send", 1, "act", 1, 1, "0F1"),
+            ("recv", 1, "grad", 0, 0, "0B0"),
+            ("recv", 1, "grad", 0, 1, "0B1"),
+        ],
+        [
+            ("recv", 0, "act", 1, 0, "1F0"),
+            ("send", 0, "grad", 0, 0, "1B0"),
+            ("recv", 0, "act", 1, 1, "1F1"),
+            ("send", 0, "grad", 0, 1, "1B1"),
+        ],
+    ]
+    assert str(communication(schedule)[0][0]) == "activation for stage 1, micro-batch 0"
+
+
+def test_communication_leaves_out_hand_offs_on_one_device():
+    # zb-v's stages 1 and 2 share device 1: 1F0's output goes to 2F0 with no message.
+    messages = communication(make_schedule("zb-v", 2, 1, virtual_stages=2))
+    assert [str(m.action) for m in messages[1]] == ["1F0", "2F0", "2B0", "1B0"]
+    assert [m.direction for m in messages[1]] == ["recv", "send", "recv", "send"]
+
+
+def test_rejects_a_pair_of_devices_that_would_take_messages_out_of_order():
+    # V placement: device 0 sends device 1 both 0F's outputs and 3B's gradients. It sends
+    # 0F1's output before 3B0's gradient, but device 1 runs 2B0 before 1F1.
+    schedule = schedule_of(
+        "0F0 0F1 3F0 3B0 3F1 3B1 0B0 0B1",
+        "1F0 2F0 2B0 1F1 2F1 2B1 1B0 1B1",
+        microbatches=2,
+        stages=4,
+        placement=(0, 1, 1, 0),
+    )
+    assert run_in_steps(schedule).finished(schedule)  # no deadlock: the order is the problem
+    message = rejection(schedule)
+    assert (
+        "device 0 sends device 1 the activation for stage 1, micro-batch 1 (from 0F1) before "
+        "the gradient for stage 2, micro-batch 0 (from 3B0), but device 1 takes them the "
+        "other way round (2B0 before 1F1)"
+    ) in message
+    for cell in (">0F1<", ">3B0<", ">2B0<", ">1F1<"):
+        assert cell in message
+
+
+def pair_orders_agree(schedule: Schedule) -> bool:
+    """For every ordered pair of devices, the sends equal the receives, in order."""
+    sent: dict[tuple[int, int], list[Message]] = {}
+    taken: dict[tuple[int, int], list[Message]] = {}
+    for device, messages in enumerate(communication(schedule)):
+        for m in messages:
+            if m.direction == "send":
+                sent.setdefault((device, m.peer), []).append(m)
+            else:
+                taken.setdefault((m.peer, device), []).append(m)
+    return set(sent) == set(taken) and all(
+        [m.tag for m in sent[pair]] == [m.tag for m in taken[pair]] for pair in sent
+    )
+
+
+@settings(max_examples=120, deadline=None)
+@given(
+    st.sampled_from(sorted(SCHEDULES)),
+    st.integers(1, 8),
+    st.integers(1, 20),
+    st.integers(1, 4),
+)
+def test_every_generated_schedule_keeps_each_pairs_message_order(name, k, m, v):
+    v = {"zb-v": 2, "interleaved": v, "gpipe": v, "auto": min(v, 2)}.get(name, 1)
+    schedule = make_schedule(name, k, m, virtual_stages=v)
+    validate(schedule)
+    assert pair_orders_agree(schedule)
+
+
+def test_zb_v_and_interleaved_keep_each_pairs_message_order_exhaustively():
+    for k in range(1, 7):
+        for m in range(1, 3 * k + 2):
+            for schedule in (
+                make_schedule("zb-v", k, m, virtual_stages=2),
+                interleaved(k, m, virtual_stages=2),
+                interleaved(k, m, virtual_stages=3),
+                gpipe(k, m, virtual_stages=2, placement=v_shape(k)),
+            ):
+                validate(schedule)
+                assert pair_orders_agree(schedule), (schedule.name, k, m)

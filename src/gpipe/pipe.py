@@ -109,11 +109,14 @@ class GPipe(nn.Module):
         chunks: M, the number of micro-batches per mini-batch (an int; ``8.0`` is taken).
         checkpoint: "always", "except_last" or "never": which micro-batches keep only their
             stage input and recompute the stage forward in the backward.
-        schedule: the schedule ``train_step`` runs ("gpipe", or any name in
-            ``gpipe.schedule.SCHEDULES``). ``pipe(x)`` followed by ``loss.backward()``
-            always runs GPipe's fill-drain.
-        virtual_stages: model stages per device (interleaved schedules); ``balance`` then
-            lists ``len(devices) * virtual_stages`` entries.
+        schedule: the schedule ``train_step`` runs: a name in ``gpipe.schedule.SCHEDULES``
+            ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zb-v", "auto": searched
+            with unit costs under 1F1B's memory), or a :class:`~gpipe.schedule.Schedule`
+            built for ``chunks`` micro-batches (e.g. by :func:`gpipe.analysis.search` with
+            your costs). The schedule also says which device holds each stage (zb-v: a V).
+            ``pipe(x)`` followed by ``loss.backward()`` always runs GPipe's fill-drain.
+        virtual_stages: model stages per device (interleaved schedules, 2 for zb-v);
+            ``balance`` then lists ``len(devices) * virtual_stages`` entries.
         sample: a mini-batch like the ones to train on, for ``balance="time"|"memory"``.
         optimizer: the optimizer whose state ``balance="memory"`` counts ("adam", ...).
         track_memory: count the bytes each device holds for backward, for the timeline.
@@ -146,7 +149,7 @@ class GPipe(nn.Module):
         devices: Sequence[Device] | None = None,
         chunks: int = 1,
         checkpoint: str = "except_last",
-        schedule: str = "gpipe",
+        schedule: str | Schedule = "gpipe",
         virtual_stages: int = 1,
         sample: Any = None,
         optimizer: Any = None,
@@ -176,7 +179,7 @@ class GPipe(nn.Module):
         self.schedule = schedule
         self.virtual_stages = virtual_stages
         self.track_memory = track_memory
-        self._schedules: dict[tuple[str, int], Schedule] = {}
+        self._schedules: dict[int, Schedule] = {}
         self._fill_drain: dict[int, tuple[Schedule, Schedule, Schedule]] = {}
 
         if len(module) == 0 and (balance is None or _empty_list(balance)):
@@ -202,10 +205,9 @@ class GPipe(nn.Module):
                 "balance entry per stage, or one device per stage"
             )
         self.balance = balance
-        if balance:  # validate the schedule now, not at the first step
-            self._schedule_for(self.chunks)
+        # Validate the schedule now, not at the first step; it also places the stages.
+        placement = self._schedule_for(self.chunks).placement if balance else ()
 
-        placement = tuple(s % len(self.devices) for s in range(stage_count))
         # Refuse a tensor that two devices would share before changing the user's model.
         check_shared_placement(split_module(module, balance), [self.devices[d] for d in placement])
         if deferred_batch_norm:
@@ -377,7 +379,13 @@ class GPipe(nn.Module):
         grad = torch.is_grad_enabled()
         m = len(microbatches)
         if m not in self._fill_drain:  # the whole schedule, its forwards, its backwards
-            whole = make_schedule("gpipe", len(self.devices), m, virtual_stages=self.virtual_stages)
+            whole = make_schedule(
+                "gpipe",
+                len(self.devices),
+                m,
+                virtual_stages=self.virtual_stages,
+                placement=self._stages.placement,
+            )
             self._fill_drain[m] = (whole, whole.only([FORWARD]), whole.only([BACKWARD]))
         schedule, forwards, backwards = self._fill_drain[m]
         step = self._new_step(m, grad=grad, schedule=schedule)
@@ -483,21 +491,40 @@ class GPipe(nn.Module):
 
     def _schedule_for(self, microbatches: int) -> Schedule:
         """The pipe's schedule for ``microbatches``, validated once, so none can hang a step."""
-        key = (self.schedule, microbatches)
-        if key not in self._schedules:
-            schedule = make_schedule(
-                self.schedule, len(self.devices), microbatches, virtual_stages=self.virtual_stages
-            )
+        if microbatches not in self._schedules:
+            given = self.schedule
+            if isinstance(given, Schedule):
+                if microbatches != given.microbatches:
+                    raise ValueError(
+                        f"the schedule {given.name!r} was built for {given.microbatches} "
+                        f"micro-batches, but this batch splits into {microbatches}: pass a "
+                        "batch of at least chunks samples, or a schedule name, which is "
+                        "built for any micro-batch count"
+                    )
+                schedule = given
+            else:
+                schedule = make_schedule(
+                    given, len(self.devices), microbatches, virtual_stages=self.virtual_stages
+                )
             stages = len(self.devices) * self.virtual_stages
             if schedule.devices != len(self.devices) or schedule.stages != stages:
                 raise ValueError(
-                    f"schedule {self.schedule!r} made {schedule.devices} devices x "
+                    f"schedule {schedule.name!r} has {schedule.devices} devices x "
                     f"{schedule.stages} stages, but the pipe has {len(self.devices)} devices x "
-                    f"{stages} stages"
+                    f"{stages} stages; give virtual_stages={schedule.virtual_stages} and one "
+                    "balance entry per stage"
                 )
+            if self._schedules:
+                first = next(iter(self._schedules.values()))
+                if schedule.placement != first.placement:
+                    raise ValueError(
+                        f"schedule {schedule.name!r} for {microbatches} micro-batches places "
+                        f"the stages on devices {schedule.placement}, but the pipe holds them "
+                        f"on {first.placement}"
+                    )
             validate(schedule)
-            self._schedules[key] = schedule
-        return self._schedules[key]
+            self._schedules[microbatches] = schedule
+        return self._schedules[microbatches]
 
     def _scatter(self, input: Any) -> tuple[list[Any], list[int]]:
         """The micro-batches of ``input``, and how many samples each holds."""

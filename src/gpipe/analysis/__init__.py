@@ -4,8 +4,9 @@ The simulator and the runtime both produce a :class:`Timeline`; the chart, the P
 Perfetto trace draw either one the same way.
 """
 
-from gpipe.analysis.formulas import BUBBLE_FORMULAS, bubble_formula
+from gpipe.analysis.formulas import BUBBLE_FORMULAS, bubble_formula, paper_bubble
 from gpipe.analysis.memory import activation_peaks, kept_microbatches
+from gpipe.analysis.search import search
 from gpipe.analysis.simulator import Costs, costs_from_timeline, simulate
 from gpipe.analysis.timeline import Event, Timeline
 
@@ -18,5 +19,7 @@ __all__ = [
     "bubble_formula",
     "costs_from_timeline",
     "kept_microbatches",
+    "paper_bubble",
+    "search",
     "simulate",
 ]

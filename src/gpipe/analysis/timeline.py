@@ -94,6 +94,27 @@ class Timeline:
         return 1.0 - sum(self.busy) / (self.devices * span)
 
     @property
+    def spans(self) -> list[float]:
+        """Per device, the time from its first action's start to its last action's end."""
+        return [device[-1].end - device[0].start if device else 0.0 for device in self.events]
+
+    @property
+    def steady_bubble(self) -> float:
+        """The idle fraction when steps run back to back: ``1 - busy / (K × longest span)``.
+
+        A device idles before its first action and after its last only because the step is
+        alone; when the next step's first actions fill that time (the zero-bubble papers
+        step the optimizer without a pipeline-wide barrier to get there), a step costs the
+        longest span of any one device. This is the bubble Qi et al. (2024) report: zero for
+        ZB-H2 and ZB-V with F = B = W. :attr:`bubble` is the bubble of one step alone, which
+        ``train_step`` runs.
+        """
+        span = max(self.spans, default=0.0)
+        if span <= 0:
+            return 0.0
+        return 1.0 - sum(self.busy) / (self.devices * span)
+
+    @property
     def peak_memory(self) -> list[float]:
         """Per device, the most bytes held for backward at any moment."""
         return [max((e.memory for e in device), default=0) for device in self.events]

@@ -1,19 +1,17 @@
 """Schedules as data: actions, generators, and the checks and text forms built on them."""
 
 from gpipe.schedule.action import BACKWARD, FORWARD, KINDS, WEIGHT, Action, dependencies
-from gpipe.schedule.generate import (
-    SCHEDULES,
-    gpipe,
-    interleaved,
-    make_schedule,
-    one_f_one_b,
-    zb_h1,
-)
+from gpipe.schedule.communication import Message, communication
+from gpipe.schedule.generate import gpipe, interleaved, one_f_one_b
+from gpipe.schedule.greedy import greedy
 from gpipe.schedule.grid import format_grid
+from gpipe.schedule.placement import round_robin, v_shape
+from gpipe.schedule.registry import SCHEDULES, make_schedule
 from gpipe.schedule.schedule import Schedule, from_csv
 from gpipe.schedule.steps import Steps, run_in_steps
 from gpipe.schedule.text import to_csv
 from gpipe.schedule.validate import ScheduleError, validate
+from gpipe.schedule.zero_bubble import zb_h1, zb_h2, zb_v
 
 __all__ = [
     "BACKWARD",
@@ -22,18 +20,25 @@ __all__ = [
     "SCHEDULES",
     "WEIGHT",
     "Action",
+    "Message",
     "Schedule",
     "ScheduleError",
     "Steps",
+    "communication",
     "dependencies",
     "format_grid",
     "from_csv",
     "gpipe",
+    "greedy",
     "interleaved",
     "make_schedule",
     "one_f_one_b",
+    "round_robin",
     "run_in_steps",
     "to_csv",
+    "v_shape",
     "validate",
     "zb_h1",
+    "zb_h2",
+    "zb_v",
 ]

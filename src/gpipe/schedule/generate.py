@@ -1,18 +1,21 @@
-"""Schedule generators: one small pure function per schedule, and the registry by name.
+"""Schedule generators without split backward: GPipe, 1F1B and interleaved 1F1B.
 
 Each generator's docstring draws its output for a small case as the simulator lays it out
 when every F, B and W takes one unit of time, one column per unit; the tests check that
-these pictures are exact.
+these pictures are exact. The zero-bubble family lives in :mod:`gpipe.schedule.zero_bubble`,
+the registry by name in :mod:`gpipe.schedule.registry`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Sequence
 
-from gpipe.schedule.action import BACKWARD, FORWARD, WEIGHT, Action
+from gpipe.schedule.action import BACKWARD, FORWARD, Action
+from gpipe.schedule.communication import in_pair_order
+from gpipe.schedule.placement import round_robin
 from gpipe.schedule.schedule import Schedule
 
-__all__ = ["SCHEDULES", "gpipe", "interleaved", "make_schedule", "one_f_one_b", "zb_h1"]
+__all__ = ["gpipe", "interleaved", "one_f_one_b"]
 
 
 def _check(stages: int, microbatches: int) -> None:
@@ -22,7 +25,13 @@ def _check(stages: int, microbatches: int) -> None:
         raise ValueError(f"microbatches must be >= 1, got {microbatches}")
 
 
-def gpipe(stages: int, microbatches: int, *, virtual_stages: int = 1) -> Schedule:
+def gpipe(
+    stages: int,
+    microbatches: int,
+    *,
+    virtual_stages: int = 1,
+    placement: Sequence[int] | None = None,
+) -> Schedule:
     """GPipe fill-drain: every forward, then every backward in reverse micro-batch order.
 
     The backward runs the newest micro-batch first: its activations are the freshest, and
@@ -33,28 +42,38 @@ def gpipe(stages: int, microbatches: int, *, virtual_stages: int = 1) -> Schedul
         1:     1F0 1F1 1F2 1F3         1B3 1B2 1B1 1B0
         2:         2F0 2F1 2F2 2F3 2B3 2B2 2B1 2B0
 
-    With v virtual stages per device (device ``d`` holds ``d, d+K, ...``), each device runs
-    its stages' forwards in increasing stage order and their backwards in decreasing order:
-    what ``pipe(x)`` runs on an interleaved pipe.
+    With v virtual stages per device (by default device ``d`` holds ``d, d+K, ...``; any
+    ``placement`` works), each device runs its stages' forwards in increasing stage order
+    and their backwards in decreasing order: what ``pipe(x)`` runs on such a pipe.
 
     Args:
         stages: K, the number of devices.
         microbatches: M.
         virtual_stages: v, model stages per device.
+        placement: the device of each of the K·v model stages; round-robin by default.
+
+    Raises:
+        ValueError: a count below 1, or a placement that does not give every device v stages.
     """
     _check(stages, microbatches)
     if virtual_stages < 1:
         raise ValueError(f"virtual_stages must be >= 1, got {virtual_stages}")
     count = stages * virtual_stages
+    layout = tuple(placement) if placement is not None else round_robin(count, stages)
+    held = [[s for s in range(count) if layout[s] == d] for d in range(stages)]
+    if len(layout) != count or any(len(mine) != virtual_stages for mine in held):
+        raise ValueError(
+            f"placement {layout} must give each of the {stages} devices {virtual_stages} "
+            f"of the {count} stages"
+        )
     actions = []
-    for device in range(stages):
-        held = range(device, count, stages)
-        forward = [Action(FORWARD, s, i) for s in held for i in range(microbatches)]
+    for mine in held:
+        forward = [Action(FORWARD, s, i) for s in mine for i in range(microbatches)]
         backward = [
-            Action(BACKWARD, s, i) for s in reversed(held) for i in reversed(range(microbatches))
+            Action(BACKWARD, s, i) for s in reversed(mine) for i in reversed(range(microbatches))
         ]
         actions.append(tuple(forward + backward))
-    return Schedule("gpipe", tuple(actions), microbatches, count)
+    return Schedule("gpipe", tuple(actions), microbatches, count, layout)
 
 
 gpipe.virtual = True  # type: ignore[attr-defined]
@@ -116,8 +135,12 @@ def interleaved(stages: int, microbatches: int, *, virtual_stages: int = 2) -> S
     Any M works. When K does not divide M, the first group takes the ``M mod K`` extra
     micro-batches (a smaller group, last, would leave devices waiting on a chunk that is
     not yet computed, and deadlock); the price is ``(v-1)·(M mod K)`` more warm-up forwards,
-    so more memory. With equal stage costs the bubble is ``(K-1) / (v·M + K-1)`` for every
-    M >= K. For 2 devices, 4 micro-batches and v = 2, laid out in time::
+    so more memory. On 2 devices the uneven group would also make one device send its
+    neighbour an activation and a gradient in the opposite order from the one the neighbour
+    takes them in, so there a device takes a message the other already sent first (see
+    :func:`~gpipe.schedule.communication.in_pair_order`); the step takes as long. With equal
+    stage costs the bubble is ``(K-1) / (v·M + K-1)`` for every M >= K. For 2 devices,
+    4 micro-batches and v = 2, laid out in time::
 
         0: 0F0 0F1 2F0 2F1 0F2 2B0 0F3 2B1 2F2 0B0 2F3 0B1     2B2     2B3 0B2 0B3
         1:     1F0 1F1 3F0 3B0 3F1 3B1 1F2 1B0 1F3 1B1 3F2 3B2 3F3 3B3 1B2 1B3
@@ -154,96 +177,7 @@ def interleaved(stages: int, microbatches: int, *, virtual_stages: int = 2) -> S
         # the last; fewer and a device waits on a forward while holding a needed backward.
         warmup = devices - d - 1 if v == 1 else 2 * (devices - d - 1) + (v - 1) * sizes[0]
         actions.append(_one_f_one_b_order(forwards, backwards, min(warmup, len(order))))
-    return Schedule("interleaved", actions, microbatches, devices * v)
+    return in_pair_order(Schedule("interleaved", actions, microbatches, devices * v))
 
 
 interleaved.virtual = True  # type: ignore[attr-defined]
-
-
-def zb_h1(stages: int, microbatches: int) -> Schedule:
-    """ZB-H1 (zero bubble, Qi et al. 2024): 1F1B with the weight gradient split off and deferred.
-
-    Each backward is split into B, the input gradient that the previous stage waits for,
-    and W, the weight gradient nobody waits for. Forwards and B's keep the 1F1B order, so
-    gradients travel back without waiting for weight gradients; device ``k`` runs its W's
-    ``k`` backwards late, where it would otherwise sit idle, and the W's left at the end
-    fill the cool-down. With F = B = W the bubble is ``(K-1) / (3M + K-1)`` for M >= K, a
-    third of 1F1B's; for M < K the step takes ``2(M+K) - 1`` units (the formula would be
-    shorter than one micro-batch's own path down, back and through its W). For 3 stages
-    and 4 micro-batches, laid out in time::
-
-        0: 0F0 0F1 0F2         0B0 0W0 0F3 0B1 0W1 0B2 0W2 0B3 0W3
-        1:     1F0 1F1     1B0 1F2 1B1 1W0 1F3 1B2 1W1 1B3 1W2 1W3
-        2:         2F0 2B0 2F1 2B1 2F2 2B2 2W0 2F3 2B3 2W1 2W2 2W3
-
-    Memory, counting a micro-batch as held from its F until its W: every device holds at
-    most ``min(K, M)``, the peak of 1F1B's first device, so the peak over devices is 1F1B's.
-    Later devices hold more than under 1F1B (up to ``k`` W's wait there), and they must:
-    held to 1F1B's ``min(K-k, M)``, the last device would have to run F, B and W of one
-    micro-batch after another, and the last gradient could not reach device 0 in time.
-
-    Args:
-        stages: K, one stage per device.
-        microbatches: M.
-
-    Returns:
-        The schedule, named "zb-h1", with F, B and W actions.
-
-    Raises:
-        ValueError: ``stages`` or ``microbatches`` below 1.
-    """
-    _check(stages, microbatches)
-    actions = []
-    for k in range(stages):
-        warmup = min(stages - k - 1, microbatches)
-        forwards = [Action(FORWARD, k, i) for i in range(microbatches)]
-        backwards = [Action(BACKWARD, k, i) for i in range(microbatches)]
-        order: list[Action] = []
-        weights = 0  # W's run so far; W j follows B j+k
-        for action in _one_f_one_b_order(forwards, backwards, warmup):
-            order.append(action)
-            if action.kind == BACKWARD and action.microbatch >= k:
-                order.append(Action(WEIGHT, k, weights))
-                weights += 1
-        order += [Action(WEIGHT, k, i) for i in range(weights, microbatches)]
-        actions.append(order)
-    return Schedule("zb-h1", actions, microbatches)
-
-
-Generator = Callable[..., Schedule]
-
-SCHEDULES: dict[str, Generator] = {
-    "gpipe": gpipe,
-    "1f1b": one_f_one_b,
-    "interleaved": interleaved,
-    "zb-h1": zb_h1,
-}
-
-
-def make_schedule(
-    name: str, stages: int, microbatches: int, *, virtual_stages: int = 1
-) -> Schedule:
-    """Build the named schedule for ``stages`` devices and ``microbatches`` micro-batches.
-
-    Args:
-        name: one of :data:`SCHEDULES` ("gpipe", "1f1b", "interleaved", "zb-h1").
-        stages: K, the number of devices.
-        microbatches: M.
-        virtual_stages: model stages per device; only interleaved schedules take more than 1.
-
-    Raises:
-        ValueError: an unknown name, or ``virtual_stages`` the schedule does not support.
-    """
-    if name not in SCHEDULES:
-        raise ValueError(f"unknown schedule {name!r}; choose one of {sorted(SCHEDULES)}")
-    if virtual_stages < 1:
-        raise ValueError(f"virtual_stages must be >= 1, got {virtual_stages}")
-    generator = SCHEDULES[name]
-    if getattr(generator, "virtual", False):
-        return generator(stages, microbatches, virtual_stages=virtual_stages)
-    if virtual_stages != 1:
-        raise ValueError(
-            f"schedule {name!r} runs one stage per device; use schedule='interleaved' for "
-            f"virtual_stages={virtual_stages}"
-        )
-    return generator(stages, microbatches)

@@ -11,14 +11,11 @@ from dataclasses import dataclass, field
 
 from gpipe.schedule.action import WEIGHT, Action
 from gpipe.schedule.grid import format_grid
+from gpipe.schedule.placement import round_robin
 from gpipe.schedule.text import parse_csv, to_csv
 from gpipe.schedule.validate import validate
 
 __all__ = ["Schedule", "from_csv"]
-
-
-def _round_robin(stages: int, devices: int) -> tuple[int, ...]:
-    return tuple(stage % devices for stage in range(stages))
 
 
 @dataclass(frozen=True)
@@ -46,7 +43,7 @@ class Schedule:
         if self.stages < 0:
             object.__setattr__(self, "stages", len(actions))
         if not self.placement:
-            object.__setattr__(self, "placement", _round_robin(self.stages, len(actions)))
+            object.__setattr__(self, "placement", round_robin(self.stages, max(len(actions), 1)))
         if len(self.placement) != self.stages:
             raise ValueError(
                 f"placement lists {len(self.placement)} stages but the schedule has {self.stages}"

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from gpipe.schedule.action import BACKWARD, FORWARD, KINDS, WEIGHT, Action, dependencies
+from gpipe.schedule.communication import RECV, SEND, Message, communication
 from gpipe.schedule.grid import format_grid
 from gpipe.schedule.steps import run_in_steps
 
@@ -31,7 +32,14 @@ def validate(schedule: Schedule) -> None:
        plus W if the schedule has any W (then every B must have its W);
     3. no deadlock: running each device's list in order, a device moving on only when its
        next action's dependencies have finished, every device reaches its end. Sends are
-       taken not to block (queued, as the in-process transport does).
+       taken not to block: the in-process transport queues them, and the distributed one
+       sends in the background, so a device waits only for what it consumes;
+    4. messages keep their order between each pair of devices: what one device sends to
+       another (activations of its F's, gradients of its B's, for stage boundaries that
+       cross devices) goes in the order the receiver's actions take it. Point-to-point
+       libraries (NCCL) match a pair's messages in posting order, with no tags, so a
+       transport that posts its receives in action order relies on this
+       (:func:`~gpipe.schedule.communication` lists each device's messages).
 
     Args:
         schedule: the schedule to check.
@@ -45,6 +53,8 @@ def validate(schedule: Schedule) -> None:
         marks, problems = _check_coverage(schedule)
     if not problems:
         marks, problems = _check_deadlock(schedule)
+    if not problems:
+        marks, problems = _check_pair_order(schedule)
     if problems:
         shown = problems[:_SHOWN]
         if len(problems) > _SHOWN:
@@ -157,3 +167,42 @@ def _wait_chain(
         )
         device = owner
     return "deadlock: " + "; ".join(links)
+
+
+def _check_pair_order(schedule: Schedule) -> tuple[Cells, list[str]]:
+    """Between each ordered pair of devices, messages are received in the order sent."""
+    where = {(d, a): p for d, actions in enumerate(schedule.actions) for p, a in enumerate(actions)}
+    channels: dict[tuple[int, int, str], list[tuple[int, Message]]] = {}
+    for device, messages in enumerate(communication(schedule)):
+        for message in messages:
+            src, dst = (
+                (device, message.peer) if message.direction == SEND else (message.peer, device)
+            )
+            channels.setdefault((src, dst, message.direction), []).append((device, message))
+    marks: Cells = []
+    problems: list[str] = []
+    for (src, dst, direction), sent in sorted(channels.items()):
+        if direction != SEND:
+            continue
+        taken = channels.get((src, dst, RECV), [])
+        for (_, out), (_, into) in zip(sent, taken):
+            if out.tag == into.tag:
+                continue
+            # The receiver takes ``into`` first, but the sender sends ``out`` before it.
+            late = next(m for _, m in sent if m.tag == into.tag)
+            early = next(m for _, m in taken if m.tag == out.tag)
+            marks += [
+                (src, where[src, out.action]),
+                (src, where[src, late.action]),
+                (dst, where[dst, into.action]),
+                (dst, where[dst, early.action]),
+            ]
+            problems.append(
+                f"device {src} sends device {dst} the {out} (from {out.action}) before the "
+                f"{into} (from {late.action}), but device {dst} takes them the other way round "
+                f"({into.action} before {early.action}); point-to-point messages between "
+                "two devices are matched in order, so the receiver would get the wrong "
+                "one: reorder either device's actions"
+            )
+            break
+    return marks, problems

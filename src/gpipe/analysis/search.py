@@ -1,0 +1,195 @@
+"""The "auto" schedule: the fastest schedule that fits a memory limit, found by simulation.
+
+Like the zero-bubble paper's automatic scheduler (Qi et al. 2024, section 3), it builds
+schedules greedily under the memory limit (:func:`gpipe.schedule.greedy`: a forward while
+memory allows, a backward as soon as its gradient is there, weight gradients in the time
+left), here over a sweep of its rules: how much each device may hold (the warm-up), which
+kind goes first on a tie, and with two stages per device how far forwards run ahead of
+backwards. Every named schedule with the same placement joins the candidates, so the
+result is never slower than the best of them that fits. Each candidate is timed by
+:func:`simulate` under the given costs; the fastest that fits wins, and among equally fast
+ones the one with the shorter span per device (faster when steps run back to back), then
+the one that holds less.
+
+    schedule = search(4, 8, costs=Costs(forward=1, backward=1, weight=1), memory_limit=4)
+    pipe = GPipe(model, balance, devices=devices, chunks=8, schedule=schedule)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from gpipe.analysis.simulator import Costs, simulate
+from gpipe.schedule import (
+    SCHEDULES,
+    Schedule,
+    gpipe,
+    greedy,
+    one_f_one_b,
+    round_robin,
+    v_shape,
+    zb_h1,
+    zb_h2,
+    zb_v,
+)
+
+__all__ = ["search"]
+
+_ORDERS = ("BFW", "FBW")
+
+
+def _per(value: float | Sequence[float], count: int, what: str) -> list[float]:
+    if isinstance(value, int | float):
+        return [float(value)] * count
+    values = [float(v) for v in value]
+    if len(values) != count:
+        raise ValueError(f"{what} lists {len(values)} entries, expected {count}")
+    return values
+
+
+def search(
+    stages: int,
+    microbatches: int,
+    *,
+    virtual_stages: int = 1,
+    costs: Costs | Mapping[str, Any] | None = None,
+    memory_limit: float | Sequence[float] | None = None,
+) -> Schedule:
+    """The schedule with the shortest simulated step that fits ``memory_limit`` ("auto").
+
+    With one stage per device the candidates are gpipe, 1f1b, zb-h1, zb-h2 and the greedy
+    builder's schedules; with two, the stages are laid out in a V (as zb-v) and the
+    candidates are zb-v, GPipe's fill-drain and the greedy builder's V schedules.
+
+    Memory is counted as the simulator does: a micro-batch's forward on a stage holds the
+    stage's ``costs.activation_bytes`` (1 by default: one unit per micro-batch per stage)
+    until its W (its B, in a schedule without W actions).
+
+    Args:
+        stages: K, the number of devices.
+        microbatches: M.
+        virtual_stages: stages per device, 1 or 2 (then in a V).
+        costs: per-stage F, B, W times (and transfer time, activation sizes), as for
+            :func:`simulate`; F = B = W = 1 by default. ``weight`` is what a zero-bubble
+            schedule runs as W; the others run it inside B.
+        memory_limit: the most each device may hold (one number, or one per device), in
+            the units of ``costs.activation_bytes``; by default what 1F1B holds (zb-v with
+            two stages per device): K with the default costs (2K with two stages).
+
+    Returns:
+        The schedule, named "auto".
+
+    Raises:
+        ValueError: a count below 1, ``virtual_stages`` other than 1 or 2, a cost or limit
+            list of the wrong length, or a limit no candidate fits in (the message says the
+            least any candidate needs).
+    """
+    if stages < 1 or microbatches < 1:
+        raise ValueError(f"stages and microbatches must be >= 1, got {stages}, {microbatches}")
+    if virtual_stages not in (1, 2):
+        raise ValueError(
+            f"schedule 'auto' searches one or two stages per device (two in a V, as zb-v), "
+            f"got virtual_stages={virtual_stages}; use schedule='interleaved' for more"
+        )
+    if isinstance(costs, Mapping):
+        costs = Costs(**costs)
+    costs = costs if costs is not None else Costs(forward=1.0, backward=1.0, weight=1.0)
+    count = stages * virtual_stages
+    activation = _per(costs.activation_bytes, count, "Costs.activation_bytes")
+    named = _named(stages, microbatches, virtual_stages)
+    if memory_limit is None:
+        # 1F1B's memory: zb-v holds as much with two stages per device.
+        reference = named[0] if virtual_stages == 2 else one_f_one_b(stages, microbatches)
+        limits = [max(simulate(reference, costs).peak_memory)] * stages
+    else:
+        limits = _per(memory_limit, stages, "memory_limit")
+    if any(not limit > 0 for limit in limits):
+        raise ValueError(f"memory_limit must be > 0 on every device, got {memory_limit!r}")
+
+    best: tuple[tuple[float, float, float], Schedule] | None = None
+    smallest: tuple[float, str] | None = None
+    for schedule in [*named, *_built(stages, microbatches, virtual_stages, costs, limits)]:
+        timeline = simulate(schedule, costs)
+        peaks = timeline.peak_memory
+        need = max(peak - limit for peak, limit in zip(peaks, limits))
+        if need > 1e-9:
+            if smallest is None or max(peaks) < smallest[0]:
+                smallest = (max(peaks), schedule.name)
+            continue
+        key = (timeline.makespan, max(timeline.spans), max(peaks))
+        if best is None or key < best[0]:
+            best = (key, schedule)
+    if best is None:
+        assert smallest is not None
+        least = min(activation) if virtual_stages == 1 else 2 * min(activation)
+        raise ValueError(
+            f"no schedule fits memory_limit={memory_limit!r}: the least any candidate holds "
+            f"is {smallest[0]:g} ({smallest[1]}); a device needs at least {least:g} to run "
+            "a backward at all. Raise memory_limit, or checkpoint to shrink activations"
+        )
+    return dataclasses.replace(best[1], name="auto")
+
+
+def _named(stages: int, microbatches: int, virtual_stages: int) -> list[Schedule]:
+    """The named schedules with the placement the search uses."""
+    if virtual_stages == 2:
+        return [
+            zb_v(stages, microbatches),
+            gpipe(stages, microbatches, virtual_stages=2, placement=v_shape(stages)),
+        ]
+    return [
+        one_f_one_b(stages, microbatches),
+        gpipe(stages, microbatches),
+        zb_h1(stages, microbatches),
+        zb_h2(stages, microbatches),
+    ]
+
+
+def _built(
+    stages: int, microbatches: int, virtual_stages: int, costs: Costs, limits: list[float]
+) -> list[Schedule]:
+    """The greedy builder's schedules over the sweep of its rules."""
+    count = stages * virtual_stages
+    forward = _per(costs.forward, count, "Costs.forward")
+    backward = _per(costs.backward, count, "Costs.backward")
+    weight = _per(costs.weight, count, "Costs.weight")
+    activation = _per(costs.activation_bytes, count, "Costs.activation_bytes")
+    # The warm-up: each device may hold up to its limit, or up to K fewer micro-batches.
+    unit = max(activation) or 1.0
+    lowest = virtual_stages * unit
+    caps: list[list[float]] = []
+    for fewer in range(stages + 1):
+        cap = [max(limit - fewer * unit, lowest) for limit in limits]
+        if cap not in caps:
+            caps.append(cap)
+    leads: list[int | None] = [None]
+    placement = round_robin(stages, stages)
+    if virtual_stages == 2:
+        placement = v_shape(stages)
+        leads = [*sorted({max(1, stages // 2), max(1, stages - 1), stages, stages + 1, 2 * stages})]
+    built = []
+    for cap in caps:
+        for order in _ORDERS:
+            for lead in leads:
+                schedule = greedy(
+                    "greedy",
+                    placement,
+                    microbatches,
+                    limit=cap,
+                    order=order,
+                    lead=lead,
+                    forward=forward,
+                    backward=backward,
+                    weight=weight,
+                    transfer=costs.transfer,
+                    activation=activation,
+                )
+                if schedule is not None:
+                    built.append(schedule)
+    return built
+
+
+search.virtual = True  # type: ignore[attr-defined]
+SCHEDULES["auto"] = search

@@ -1,0 +1,178 @@
+"""The messages a schedule implies: who sends what to whom, in which order.
+
+An F sends its output to the next stage and a B its input gradient to the previous one.
+When the two stages live on different devices, that is a message between the devices,
+received by the action that consumes it (F of the next stage, B of the previous one).
+Between one pair of devices, point-to-point libraries such as NCCL match messages in the
+order they were posted, with no tag to tell them apart, so a transport that posts its
+receives in its own action order needs the sender to send in that same order; the
+validator checks that, and a distributed transport reads each device's list from here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from gpipe.schedule.action import BACKWARD, FORWARD, Action, dependencies
+
+if TYPE_CHECKING:
+    from gpipe.schedule.schedule import Schedule
+
+__all__ = [
+    "ACTIVATION",
+    "GRADIENT",
+    "RECV",
+    "SEND",
+    "Message",
+    "communication",
+    "in_pair_order",
+]
+
+# The same words the runtime's transport tags use: ("act" | "grad", receiving stage, micro-batch).
+ACTIVATION = "act"
+GRADIENT = "grad"
+SEND = "send"
+RECV = "recv"
+
+Tag = tuple[str, int, int]
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    """One message between two devices, seen from one of them.
+
+    Args:
+        peer: the other device.
+        kind: "act" (an F's output, for the next stage) or "grad" (a B's input gradient,
+            for the previous stage).
+        stage: the stage that receives it (as in the runtime's tags).
+        microbatch: the micro-batch.
+        direction: "send" or "recv", from this device's side.
+        action: the action on this device that sends it (after running) or receives it
+            (before running).
+    """
+
+    peer: int
+    kind: str
+    stage: int
+    microbatch: int
+    direction: str
+    action: Action
+
+    @property
+    def tag(self) -> Tag:
+        """``(kind, receiving stage, micro-batch)``: the runtime transport's tag."""
+        return (self.kind, self.stage, self.microbatch)
+
+    def __str__(self) -> str:
+        what = "activation" if self.kind == ACTIVATION else "gradient"
+        return f"{what} for stage {self.stage}, micro-batch {self.microbatch}"
+
+
+def communication(schedule: Schedule) -> list[list[Message]]:
+    """Per device, the messages it sends and receives, in the order its actions need them.
+
+    An action receives before it runs and sends after, so for each action its receive (if
+    any) comes before its send (if any). Messages to and from the caller (the inputs of
+    stage 0, the outputs of the last stage) and hand-offs between stages on the same device
+    are not messages between devices and are left out.
+
+    Args:
+        schedule: any schedule whose stages are in range (the validator checks that first).
+
+    Returns:
+        ``messages[d]``: device ``d``'s sends and receives in order. For every ordered pair
+        of devices, a valid schedule's sends from one to the other (in the sender's list)
+        come in the same order as the matching receives (in the receiver's list).
+    """
+    messages: list[list[Message]] = []
+    for device, actions in enumerate(schedule.actions):
+        mine: list[Message] = []
+        for action in actions:
+            taken = _received(action, device, schedule)
+            if taken is not None:
+                mine.append(Message(taken[0], *taken[1], RECV, action))
+            given = _sent(action, device, schedule)
+            if given is not None:
+                mine.append(Message(given[0], *given[1], SEND, action))
+        messages.append(mine)
+    return messages
+
+
+def _received(action: Action, device: int, schedule: Schedule) -> tuple[int, Tag] | None:
+    """(sender, tag) of the message ``action`` takes from another device, if any."""
+    placement, stage = schedule.placement, action.stage
+    if action.kind == FORWARD and stage > 0 and placement[stage - 1] != device:
+        return placement[stage - 1], (ACTIVATION, stage, action.microbatch)
+    if action.kind == BACKWARD and stage + 1 < schedule.stages and placement[stage + 1] != device:
+        return placement[stage + 1], (GRADIENT, stage, action.microbatch)
+    return None
+
+
+def _sent(action: Action, device: int, schedule: Schedule) -> tuple[int, Tag] | None:
+    """(receiver, tag) of the message ``action`` sends to another device, if any."""
+    placement, stage = schedule.placement, action.stage
+    if action.kind == FORWARD and stage + 1 < schedule.stages and placement[stage + 1] != device:
+        return placement[stage + 1], (ACTIVATION, stage + 1, action.microbatch)
+    if action.kind == BACKWARD and stage > 0 and placement[stage - 1] != device:
+        return placement[stage - 1], (GRADIENT, stage - 1, action.microbatch)
+    return None
+
+
+def in_pair_order(schedule: Schedule) -> Schedule:
+    """The same schedule, reordered so each device takes its messages in the order sent.
+
+    Runs the lists in lock step (as :func:`~gpipe.schedule.run_in_steps` does). When a
+    device's next action could run but takes a message its sender sent after another one
+    still waiting, and the action that takes that earlier message is further down the
+    device's list with everything it needs done, that action moves up and runs now. A
+    schedule whose messages already keep their order comes back unchanged.
+
+    Args:
+        schedule: any schedule.
+
+    Returns:
+        The reordered schedule; the one given if the devices get stuck either way (the
+        validator then says why).
+    """
+    queues = [list(actions) for actions in schedule.actions]
+    ran: list[list[Action]] = [[] for _ in queues]
+    done: set[Action] = set()
+    sent: dict[tuple[int, int], list[Tag]] = {}  # (sender, receiver) -> tags not yet taken
+    while any(queues):
+        step: list[tuple[int, Action]] = []
+        for device, queue in enumerate(queues):
+            if not queue or not all(d in done for d in dependencies(queue[0], schedule.stages)):
+                continue
+            action = queue[0]
+            taken = _received(action, device, schedule)
+            if taken is not None:
+                waiting = sent.get((taken[0], device), [])
+                if not waiting:
+                    continue
+                if waiting[0] != taken[1]:
+                    kind, stage, microbatch = waiting[0]
+                    first = Action(FORWARD if kind == ACTIVATION else BACKWARD, stage, microbatch)
+                    if first not in queue or not all(
+                        d in done for d in dependencies(first, schedule.stages)
+                    ):
+                        continue
+                    queue.remove(first)
+                    queue.insert(0, first)
+                    action = first
+            step.append((device, queue.pop(0)))
+        if not step:
+            return schedule
+        # NOTE: results become visible only at the next step, as in run_in_steps.
+        for device, action in step:
+            done.add(action)
+            ran[device].append(action)
+            taken = _received(action, device, schedule)
+            if taken is not None:
+                sent[taken[0], device].pop(0)
+            given = _sent(action, device, schedule)
+            if given is not None:
+                sent.setdefault((device, given[0]), []).append(given[1])
+    return dataclasses.replace(schedule, actions=ran)

@@ -1,0 +1,78 @@
+"""The schedules by name: what ``GPipe(schedule=...)`` and the command line accept."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+from gpipe.schedule.generate import gpipe, interleaved, one_f_one_b
+from gpipe.schedule.schedule import Schedule
+from gpipe.schedule.zero_bubble import zb_h1, zb_h2, zb_v
+
+__all__ = ["SCHEDULES", "make_schedule"]
+
+Generator = Callable[..., Schedule]
+
+# NOTE: "auto" (gpipe.analysis.search) registers itself here when gpipe.analysis loads, which
+# importing anything from gpipe does: the search needs the simulator, which sits above
+# this package, so this package cannot import it.
+SCHEDULES: dict[str, Generator] = {
+    "gpipe": gpipe,
+    "1f1b": one_f_one_b,
+    "interleaved": interleaved,
+    "zb-h1": zb_h1,
+    "zb-h2": zb_h2,
+    "zb-v": zb_v,
+}
+
+
+def make_schedule(
+    name: str, stages: int, microbatches: int, *, virtual_stages: int = 1, **options: Any
+) -> Schedule:
+    """Build the named schedule for ``stages`` devices and ``microbatches`` micro-batches.
+
+    Args:
+        name: one of :data:`SCHEDULES` ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2",
+            "zb-v", "auto").
+        stages: K, the number of devices.
+        microbatches: M.
+        virtual_stages: model stages per device: any for "interleaved" and "gpipe", 2 for
+            "zb-v", 1 or 2 for "auto", else 1.
+        options: what the generator takes beyond these, e.g. "auto"'s ``costs`` and
+            ``memory_limit`` (see :func:`gpipe.analysis.search`).
+
+    Raises:
+        ValueError: an unknown name, ``virtual_stages`` the schedule does not support, or an
+            option it does not take.
+    """
+    if name not in SCHEDULES:
+        raise ValueError(f"unknown schedule {name!r}; choose one of {sorted(SCHEDULES)}")
+    if virtual_stages < 1:
+        raise ValueError(f"virtual_stages must be >= 1, got {virtual_stages}")
+    generator = SCHEDULES[name]
+    takes = inspect.signature(generator).parameters
+    unknown = sorted(set(options) - set(takes))
+    if unknown:
+        known = sorted(set(takes) - {"stages", "microbatches", "virtual_stages"})
+        raise ValueError(
+            f"schedule {name!r} takes no option {', '.join(map(repr, unknown))}"
+            + (f"; it takes {', '.join(map(repr, known))}" if known else "")
+            + " (only 'auto' takes costs and memory_limit)"
+        )
+    fixed = getattr(generator, "virtual_stages", None)
+    if fixed is not None:
+        if virtual_stages != fixed:
+            raise ValueError(
+                f"schedule {name!r} holds {fixed} stages per device: pass "
+                f"virtual_stages={fixed} (and {fixed} balance entries per device)"
+            )
+        return generator(stages, microbatches, **options)
+    if getattr(generator, "virtual", False):
+        return generator(stages, microbatches, virtual_stages=virtual_stages, **options)
+    if virtual_stages != 1:
+        raise ValueError(
+            f"schedule {name!r} runs one stage per device; use schedule='interleaved' or "
+            f"'zb-v' for virtual_stages={virtual_stages}"
+        )
+    return generator(stages, microbatches, **options)
