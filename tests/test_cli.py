@@ -182,6 +182,10 @@ def test_bubble_formulas_follow_the_papers() -> None:
         (["simulate", "-K", "2", "-M", "4", "-s", "nope"], "invalid choice: 'nope'"),
         (["simulate", "-K", "2", "-M", "4", "-s", "1f1b", "-v", "2"], "use schedule='interleaved'"),
         (["bubble", "-M", "0"], "expected a whole number >= 1"),
+        (["simulate", "-K", "2", "-M", "4", "--memory-limit", "3"], "for -s auto only"),
+        (["simulate", "-K", "2", "-M", "4", "-s", "auto", "--memory-limit", "0"], "> 0"),
+        (["simulate", "-K", "2", "-M", "4", "-s", "auto", "--memory-limit", "0.5"], "no schedule"),
+        (["bubble", "-s", "1f1b", "--memory-limit", "3"], "for -s auto only"),
         ([], "required: COMMAND"),
         (["simulate", "-K", "2", "-M", "4", "--costs", "inf,1,1"], "three finite numbers"),
         (["simulate", "-K", "2", "-M", "4", "--transfer", "inf"], "a finite number >= 0"),
@@ -231,14 +235,40 @@ def test_simulate_zero_bubble_h1_reaches_its_formula(capsys: pytest.CaptureFixtu
     assert fields["makespan"] == "27"  # 3M + K - 1 with F = B = W = 1
 
 
+def test_simulate_zb_v_on_twice_the_stages_is_as_short_as_one_step_can_be(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    _, out = run(capsys, "simulate", "-K", "4", "-M", "8", "-s", "zb-v", "--no-color")
+    fields = result_fields(out)
+    assert fields["makespan"] == "51"  # 6M + K - 1 actions of half a stage
+    assert fields["bubble"] == f"{3 / 51:.4f}"
+    assert fields["peak_memory"] == "8,8,8,8"  # 2K half-stages: 1F1B's K
+
+
+def test_simulate_auto_searches_under_the_memory_limit(capsys: pytest.CaptureFixture[str]) -> None:
+    _, out = run(capsys, "simulate", "-K", "4", "-M", "8", "-s", "auto", "--memory-limit", "7")
+    fields = result_fields(out)
+    assert fields["makespan"] == "27"
+    assert fields["steady_bubble"] == "0.0000"  # ZB-H2-like: no device idles mid-step
+    assert max(float(p) for p in fields["peak_memory"].split(",")) <= 7
+    _, out = run(capsys, "simulate", "-K", "4", "-M", "8", "-s", "auto", "--costs", "1,2,0.5")
+    assert float(result_fields(out)["makespan"]) <= 3.5 * 8 + 3 * (1 + 2 - 0.5)  # ZB-H1's
+
+
+def test_bubble_tabulates_auto_at_a_memory_limit(capsys: pytest.CaptureFixture[str]) -> None:
+    _, out = run(capsys, "bubble", "-K", "4", "-M", "8", "-s", "auto", "--memory-limit", "7")
+    assert "auto, memory limit 7: simulated bubble" in out
+    assert "0.111 (n/a)" in out  # 3 / 27: one step of ZB-H2
+
+
 def test_bubble_defaults_cover_every_schedule_and_agree_with_formulas(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     code, out = run(capsys, "bubble")
     assert code == 0
     fields = result_fields(out)
-    assert fields["schedules"] == "gpipe,1f1b,interleaved,zb-h1"
-    assert fields["cells"] == str(4 * 4 * 7)
+    assert fields["schedules"] == "gpipe,1f1b,interleaved,zb-h1,zb-h2,zb-v"
+    assert fields["cells"] == str(6 * 4 * 7)
     assert float(fields["max_abs_error"]) < 1e-9
 
 

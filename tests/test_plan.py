@@ -15,7 +15,7 @@ from gpipe import GPipe
 from gpipe.balance.profiler import Profile, profile
 from gpipe.cli import main
 from gpipe.models import delay
-from gpipe.planning.planner import _host_share, plan
+from gpipe.planning.planner import DEFAULT_SCHEDULES, _host_share, plan
 from gpipe.planning.report import Plan, PlanReport
 from gpipe.units import parse_bytes
 
@@ -137,7 +137,7 @@ def test_predicted_activation_memory_matches_the_runtime() -> None:
     x, y = torch.randn(16, 16), torch.randn(16, 16)
     report = quiet_plan(model, x, 16, 3, loss_fn=squared_error, target=y, chunks=[2, 4], top=500)
     picked = {(p.schedule, p.checkpoint): p for p in report if p.stages == 3}
-    assert len(picked) == 12
+    assert len(picked) == 3 * len(DEFAULT_SCHEDULES)
     for p in picked.values():
         pipe = GPipe.from_plan(model, p)
         pipe.train_step(x, y, squared_error)
@@ -344,3 +344,46 @@ def test_a_costly_action_makes_fewer_micro_batches_win() -> None:
     assert costly.best.chunks < 8  # 10 ms an action outweighs a smaller bubble
     with pytest.raises(ValueError, match="action_overhead must be >= 0"):
         quiet_plan(model, torch.randn(8, 3), 8, 4, action_overhead=-1.0)
+
+
+@pytest.mark.usefixtures("exact_latency")
+def test_auto_is_offered_and_never_predicted_slower_than_a_named_schedule() -> None:
+    # Latency stages whose backward is twice the forward, split by the profile into B and W.
+    model = nn.Sequential(*[RowLatency() for _ in range(8)])
+    report = quiet_plan(model, torch.randn(8, 3), 8, 4, chunks=[4, 8], checkpoints=("never",))
+    plans = [*report, *(r.plan for r in report.rejected)]
+    for k in (2, 4):
+        for m in (4, 8):
+            same = [p for p in plans if (p.stages, p.chunks) == (k, m)]
+            auto = next(p for p in same if p.schedule == "auto")
+            named = [p for p in same if p.schedule in ("gpipe", "1f1b", "zb-h1", "zb-h2")]
+            assert auto.predicted_step <= min(p.predicted_step for p in named) * (1 + 1e-9)
+    assert {p.schedule for p in plans} >= {"auto", "zb-h2", "zb-v"}
+
+
+def test_auto_plan_carries_its_searched_schedule_and_trains_like_the_plain_model() -> None:
+    model = make_mlp(layers=4, width=6)
+    x, y = torch.randn(8, 6, dtype=torch.float64), torch.randn(8, 6, dtype=torch.float64)
+    report = quiet_plan(model, x, 8, 2, schedules=("auto",), chunks=[4], top=10)
+    best = report.best
+    assert best.schedule == "auto" and best.built is not None
+    assert best.pipe_kwargs()["schedule"] is best.built
+    _, loss, grads, _ = reference_step(model, x, y, squared_error)
+    pipe = GPipe.from_plan(model, best)
+    assert torch.allclose(pipe.train_step(x, y, squared_error), loss)
+    for param, grad in zip(model.parameters(), grads):
+        assert torch.allclose(param.grad, grad)
+
+
+def test_host_share_follows_the_placement(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    monkeypatch.setattr("torch.get_num_threads", lambda: 2)
+    spans = [(s, s + 1) for s in range(8)]
+    busy = [0.003, 0.003, 0.0, 0.0, 0.0, 0.0, 0.003, 0.003]
+    computing = dataclasses.replace(_profile_with_cpu(1.0, layers=8), cpu=busy)
+    v, round_robin = (0, 1, 2, 3, 3, 2, 1, 0), (0, 1, 2, 3, 0, 1, 2, 3)
+    # V (zb-v): the computing layers 0, 7 and 1, 6 pair up on devices 0 and 1, which compute
+    # throughout with both their threads: 4 cores wanted on 2.
+    assert _host_share(computing, spans, ["cpu"] * 4, v) == pytest.approx(2.0)
+    # Round-robin: every device computes half the time, 0.5 * (1 + 0.5) cores each: 3 on 2.
+    assert _host_share(computing, spans, ["cpu"] * 4, round_robin) == pytest.approx(1.5)

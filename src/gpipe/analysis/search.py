@@ -156,12 +156,12 @@ def _built(
     backward = _per(costs.backward, count, "Costs.backward")
     weight = _per(costs.weight, count, "Costs.weight")
     activation = _per(costs.activation_bytes, count, "Costs.activation_bytes")
-    # The warm-up: each device may hold up to its limit, or up to K fewer micro-batches.
+    # The warm-up: how much each device may hold, in whole micro-batches up to 2K of them
+    # (ZB-H1 holds K, ZB-H2 2K-1), and the limit itself.
     unit = max(activation) or 1.0
-    lowest = virtual_stages * unit
     caps: list[list[float]] = []
-    for fewer in range(stages + 1):
-        cap = [max(limit - fewer * unit, lowest) for limit in limits]
+    for held in [*range(virtual_stages, 2 * stages * virtual_stages + 1), None]:
+        cap = [limit if held is None else min(held * unit, limit) for limit in limits]
         if cap not in caps:
             caps.append(cap)
     leads: list[int | None] = [None]

@@ -16,6 +16,7 @@ __all__ = [
     "choices_list",
     "costs",
     "non_negative_float",
+    "positive_float",
     "positive_int",
     "positive_ints",
     "schedule_names",
@@ -48,6 +49,17 @@ def non_negative_float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
     if not 0 <= value < math.inf:  # also rejects nan
         raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """A number > 0 (not nan or infinite)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text}")
     return value
 
 

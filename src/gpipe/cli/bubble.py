@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable, Sequence
+from typing import Any
 
-from gpipe.cli.arguments import positive_int, schedule_names
+from gpipe.cli.arguments import positive_float, positive_int, schedule_names
 from gpipe.cli.simulate import check_size
 
 __all__ = ["add_arguments", "run"]
 
-_FORMULA_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+_FORMULA_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zb-v")
 
 
 def add_arguments(sub: argparse.ArgumentParser) -> None:
@@ -45,7 +46,15 @@ def add_arguments(sub: argparse.ArgumentParser) -> None:
         "-v",
         type=positive_int,
         default=2,
-        help="v for the interleaved schedule (default 2)",
+        help="v for the interleaved schedule (default 2; zb-v always has 2)",
+    )
+    sub.add_argument(
+        "--memory-limit",
+        type=positive_float,
+        default=None,
+        metavar="N",
+        help="for -s auto: the most each device may hold, in micro-batches of one stage "
+        "(default: what 1F1B holds, K)",
     )
     sub.set_defaults(parser=sub)
 
@@ -55,17 +64,23 @@ def run(args: argparse.Namespace) -> int:
     from gpipe.analysis import BUBBLE_FORMULAS, Costs, bubble_formula, simulate
     from gpipe.schedule import make_schedule
 
-    check_size(max(args.stages), max(args.microbatches), args.virtual_stages)
+    v_most = max(args.virtual_stages, 2 if "zb-v" in args.schedule else 1)
+    check_size(max(args.stages), max(args.microbatches), v_most, search="auto" in args.schedule)
     costs = Costs(1.0, 1.0, 1.0)
     worst = 0.0
     compared = built = 0
+    if args.memory_limit is not None and "auto" not in args.schedule:
+        args.parser.error("--memory-limit is for -s auto only; add auto to --schedule")
     for name in args.schedule:
-        v = args.virtual_stages if name == "interleaved" else 1
+        v = {"interleaved": args.virtual_stages, "zb-v": 2}.get(name, 1)
+        options = {"costs": costs, "memory_limit": args.memory_limit} if name == "auto" else {}
 
-        def cell(k: int, m: int, name: str = name, v: int = v) -> str:
+        def cell(
+            k: int, m: int, name: str = name, v: int = v, options: dict[str, Any] = options
+        ) -> str:
             nonlocal worst, compared, built
             try:
-                schedule = make_schedule(name, k, m, virtual_stages=v)
+                schedule = make_schedule(name, k, m, virtual_stages=v, **options)
             except ValueError:
                 return "-"
             built += 1
@@ -78,7 +93,10 @@ def run(args: argparse.Namespace) -> int:
             return f"{simulated:.3f} ({formula:.3f})"
 
         formula = BUBBLE_FORMULAS.get(name, "none known")
-        suffix = f", v={v}" if name == "interleaved" else ""
+        suffix = f", v={v}" if v > 1 else ""
+        if name == "auto":
+            limit = args.memory_limit
+            suffix += f", memory limit {limit:g}" if limit is not None else ", memory limit K"
         print(f"{name}{suffix}: simulated bubble (formula {formula})")
         print(_table(args.stages, args.microbatches, cell))
         print()

@@ -80,7 +80,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--schedules",
         type=choices_list(schedule_names()),
         default=None,
-        help="comma-separated schedules to consider (default: gpipe,1f1b,interleaved,zb-h1)",
+        help="comma-separated schedules to consider (default: gpipe,1f1b,interleaved,zb-h1,"
+        "zb-h2,zb-v,auto)",
     )
     parser.add_argument(
         "--checkpoints",

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import argparse
 import time
+from typing import Any
 
 from gpipe.cli.arguments import (
     CommandError,
     costs,
     non_negative_float,
+    positive_float,
     positive_int,
     schedule_names,
 )
@@ -20,15 +22,20 @@ _GRID_ACTIONS = 2000
 # NOTE: the simulator runs ~400k actions a second and keeps ~100 bytes per action: more than
 # this would take minutes and gigabytes, so it is refused up front instead of seeming to hang.
 MAX_ACTIONS = 4_000_000
+# "auto" builds and simulates a few dozen schedules, each at ~200k actions a second.
+MAX_SEARCH_ACTIONS = 100_000
 
 
-def check_size(stages: int, microbatches: int, virtual_stages: int = 1) -> None:
+def check_size(
+    stages: int, microbatches: int, virtual_stages: int = 1, *, search: bool = False
+) -> None:
     """Raise CommandError when a K x M (x v) schedule is too large to simulate promptly."""
     actions = 3 * stages * microbatches * virtual_stages  # F, B and W of every micro-batch
-    if actions > MAX_ACTIONS:
+    most, what = (MAX_SEARCH_ACTIONS, "searched") if search else (MAX_ACTIONS, "simulated")
+    if actions > most:
         raise CommandError(
             f"K={stages} x M={microbatches} x v={virtual_stages} makes up to {actions:,} "
-            f"actions, more than the {MAX_ACTIONS:,} simulated in seconds: use fewer stages "
+            f"actions, more than the {most:,} {what} in seconds: use fewer stages "
             "or micro-batches (the bubble depends on their ratio)"
         )
 
@@ -57,7 +64,8 @@ def add_arguments(sub: argparse.ArgumentParser) -> None:
         "-v",
         type=positive_int,
         default=None,
-        help="model stages per device (interleaved only; default 2 there, else 1)",
+        help="model stages per device (default 2 for interleaved and zb-v, else 1; auto "
+        "takes 1 or 2)",
     )
     sub.add_argument(
         "--costs",
@@ -73,6 +81,14 @@ def add_arguments(sub: argparse.ArgumentParser) -> None:
         default=0.0,
         metavar="T",
         help="time to send an activation or gradient between devices (default 0)",
+    )
+    sub.add_argument(
+        "--memory-limit",
+        type=positive_float,
+        default=None,
+        metavar="N",
+        help="for -s auto: the most each device may hold, in micro-batches of one stage "
+        "(default: what 1F1B holds, K; 2K with -v 2)",
     )
     sub.add_argument("--plot", metavar="PNG", help="also save a PNG Gantt chart here")
     sub.add_argument(
@@ -98,7 +114,7 @@ def add_arguments(sub: argparse.ArgumentParser) -> None:
 def _virtual_stages(name: str, requested: int | None) -> int:
     if requested is not None:
         return requested
-    return 2 if name == "interleaved" else 1
+    return 2 if name in ("interleaved", "zb-v") else 1
 
 
 def run(args: argparse.Namespace) -> int:
@@ -109,10 +125,13 @@ def run(args: argparse.Namespace) -> int:
     parser: argparse.ArgumentParser = args.parser
     forward, backward, weight = args.costs
     v = _virtual_stages(args.schedule, args.virtual_stages)
-    check_size(args.stages, args.microbatches, v)
+    check_size(args.stages, args.microbatches, v, search=args.schedule == "auto")
+    costs = Costs(forward, backward, weight, transfer=args.transfer)
+    options = search_options(parser, args.schedule, costs, args.memory_limit)
     try:
-        schedule = make_schedule(args.schedule, args.stages, args.microbatches, virtual_stages=v)
-        costs = Costs(forward, backward, weight, transfer=args.transfer)
+        schedule = make_schedule(
+            args.schedule, args.stages, args.microbatches, virtual_stages=v, **options
+        )
         began = time.perf_counter()
         timeline = simulate(schedule, costs)
         elapsed = time.perf_counter() - began
@@ -139,6 +158,18 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"RESULT schedule={args.schedule} stages={args.stages} "
         f"microbatches={args.microbatches} makespan={timeline.makespan:g} "
-        f"bubble={timeline.bubble:.4f} peak_memory={peaks} sim_seconds={elapsed:.6f}"
+        f"bubble={timeline.bubble:.4f} steady_bubble={timeline.steady_bubble:.4f} "
+        f"peak_memory={peaks} sim_seconds={elapsed:.6f}"
     )
     return 0
+
+
+def search_options(
+    parser: argparse.ArgumentParser, name: str, costs: Any, memory_limit: float | None
+) -> dict[str, Any]:
+    """What ``make_schedule`` needs beyond K and M: for "auto", the costs and the limit."""
+    if name == "auto":
+        return {"costs": costs, "memory_limit": memory_limit}
+    if memory_limit is not None:
+        parser.error(f"--memory-limit is for -s auto only; {name!r} has a fixed memory use")
+    return {}

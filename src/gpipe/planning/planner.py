@@ -26,19 +26,23 @@ from typing import Any
 import torch
 from torch import nn
 
-from gpipe.analysis import Costs, activation_peaks, simulate
+from gpipe.analysis import Costs, activation_peaks, search, simulate
 from gpipe.balance import balance_costs
 from gpipe.balance.profiler import Profile, profile
 from gpipe.checkpoint import check_checkpoint
 from gpipe.planning.report import Plan, PlanReport, Rejection
 from gpipe.runtime.devices import as_devices
-from gpipe.schedule import SCHEDULES, make_schedule
+from gpipe.schedule import SCHEDULES, Schedule, make_schedule
 from gpipe.structure import map_tensors
 from gpipe.units import format_bytes, parse_bytes
 
 __all__ = ["plan"]
 
-DEFAULT_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+DEFAULT_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zb-v", "auto")
+# Schedules with separate weight-gradient (W) actions, whose W time the profile must measure.
+_SPLIT = ("zb-h1", "zb-h2", "zb-v", "auto")
+# Schedules with two stages per device.
+_TWO_PER_DEVICE = ("interleaved", "zb-v")
 DEFAULT_CHECKPOINTS = ("never", "except_last", "always")
 
 
@@ -63,14 +67,17 @@ def plan(
     """Search pipeline configurations and rank those that fit by simulated step time.
 
     Candidates: every stage count from 1 to ``len(devices)`` (on the first K devices), every
-    chunk count, checkpoint mode and schedule ("interleaved" with 2 stages per device, when
-    there are at least ``2K`` layers and ``K >= 2``). Each is balanced by the exact balancer
+    chunk count, checkpoint mode and schedule ("interleaved" and "zb-v" with 2 stages per
+    device, when there are at least ``2K`` layers and ``K >= 2``; "auto" searched under
+    this candidate's costs and what the budget leaves each device for activations). Each
+    is balanced by the exact balancer
     on measured forward + backward time, then simulated with per-stage costs from a profile
     taken at its micro-batch size (each size profiled once, on ``devices[0]``; the devices
     are assumed alike). A checkpointed micro-batch's backward also pays its forward again.
     Every action also pays the runtime's own cost per action, measured once on ``devices[0]``,
     and "cpu" stages that compute share the host's cores.
-    For "zb-h1", W is measured: backward time minus the time of the input gradient alone.
+    For the zero-bubble schedules, W is measured: backward time minus the time of the input
+    gradient alone.
 
     Memory per device: parameters, gradients and optimizer state of its stages, plus the
     activations it holds at its peak, found by walking its actions in schedule order: a
@@ -141,7 +148,7 @@ def plan(
         optimizer,
         loss_fn,
         target,
-        split="zb-h1" in schedules,
+        split=any(name in _SPLIT for name in schedules),
         repeats=repeats,
     )
     layers = len(module)
@@ -150,14 +157,14 @@ def plan(
         for m in counts
         for k in range(1, min(len(names), layers) + 1)
         for name in schedules
-        if not (name == "interleaved" and (k < 2 or 2 * k > layers))
+        if not (name in _TWO_PER_DEVICE and (k < 2 or 2 * k > layers))
         for mode in modes
     ]
     if not candidates:
         raise ValueError(
             f"nothing to plan: {', '.join(schedules)} on {len(names)} device(s) and "
-            f"{layers} layer(s) gives no candidate ('interleaved' needs at least 2 devices "
-            "and 2 layers per device); add devices or other schedules"
+            f"{layers} layer(s) gives no candidate ('interleaved' and 'zb-v' need at least 2 "
+            "devices and 2 layers per device); add devices or other schedules"
         )
     from tqdm import tqdm
 
@@ -165,7 +172,7 @@ def plan(
         raise ValueError(f"action_overhead must be >= 0 seconds, got {action_overhead!r}")
     overhead = _action_overhead(names[0]) if action_overhead is None else action_overhead
     evaluated = [
-        _evaluate(measure, m, k, name, mode, names[:k], overhead)
+        _evaluate(measure, m, k, name, mode, names[:k], overhead, budget)
         for m, k, name, mode in tqdm(
             candidates, desc="planning", unit="plan", disable=not progress, file=sys.stderr
         )
@@ -295,8 +302,9 @@ def _evaluate(
     mode: str,
     devices: list[str],
     overhead: float,
+    budget: int | None,
 ) -> Plan:
-    v = 2 if name == "interleaved" else 1
+    v = 2 if name in _TWO_PER_DEVICE else 1
     measured = measure.at(chunks)
     weight = measured.weight or [0.0] * measured.layers
     balance = measure.balance(chunks, stages * v)
@@ -304,23 +312,46 @@ def _evaluate(
     for count in balance:
         bounds.append(bounds[-1] + count)
     spans = list(itertools.pairwise(bounds))
-    schedule = make_schedule(name, stages, chunks, virtual_stages=v)
+    split = name in _SPLIT
     forward = [sum(measured.forward[a:b]) for a, b in spans]
-    w = [sum(weight[a:b]) if schedule.split_backward else 0.0 for a, b in spans]
+    # NOTE: W is measured as the backward minus the input gradient alone; on a busy machine
+    # that difference can come out above the backward itself, which would leave B negative.
+    w = [
+        min(max(sum(weight[a:b]), 0.0), sum(measured.backward[a:b])) if split else 0.0
+        for a, b in spans
+    ]
     recomputed = {"always": 1.0, "except_last": (chunks - 1) / chunks, "never": 0.0}[mode]
     backward = [
         sum(measured.backward[a:b]) - w_s + recomputed * f
         for (a, b), w_s, f in zip(spans, w, forward)
     ]
-    share = _host_share(measured, spans, devices)
+    full = [measured.stage_activation_bytes(a, b) for a, b in spans]
+    kept = [measured.input_bytes[a] for a, _ in spans]
+    stored = [
+        sum(
+            measured.parameter_bytes[a:b]
+            + measured.gradient_bytes[a:b]
+            + measured.optimizer_bytes[a:b]
+        )
+        for a, b in spans
+    ]
+    placement = (
+        make_schedule(name, stages, chunks, virtual_stages=v).placement
+        if name != "auto"
+        else tuple(range(stages))
+    )
+    share = _host_share(measured, spans, devices, placement)
     forward, backward = (
         [t * share + overhead for t in forward],
         [t * share + overhead for t in backward],
     )
-    w = [t * share + overhead if schedule.split_backward else 0.0 for t in w]
-    timeline = simulate(schedule, Costs(forward=forward, backward=backward, weight=w))
-    full = [measured.stage_activation_bytes(a, b) for a, b in spans]
-    kept = [measured.input_bytes[a] for a, _ in spans]
+    w = [t * share + overhead if split else 0.0 for t in w]
+    costs = Costs(forward=forward, backward=backward, weight=w)
+    if name == "auto":
+        schedule = _search(stages, chunks, costs, full if mode == "never" else kept, stored, budget)
+    else:
+        schedule = make_schedule(name, stages, chunks, virtual_stages=v)
+    timeline = simulate(schedule, costs)
     # NOTE: the mini-batch takes no gradient; every later stage sends one back, the size of
     # its input. A stage sending none defers its whole backward, keeping what it received.
     gradient = [0, *kept[1:]]
@@ -331,12 +362,8 @@ def _evaluate(
     peaks = activation_peaks(schedule, full, kept, mode, gradient=gradient, deferred=deferred)
     activations = [int(peak) for peak in peaks]  # whole bytes in, whole bytes out
     fixed = [0] * stages
-    for s, (a, b) in enumerate(spans):
-        fixed[schedule.placement[s]] += sum(
-            measured.parameter_bytes[a:b]
-            + measured.gradient_bytes[a:b]
-            + measured.optimizer_bytes[a:b]
-        )
+    for s, held in enumerate(stored):
+        fixed[schedule.placement[s]] += held
     return Plan(
         stages=stages,
         chunks=chunks,
@@ -349,7 +376,36 @@ def _evaluate(
         bubble=timeline.bubble,
         peak_memory=[f + a for f, a in zip(fixed, activations)],
         activation_memory=activations,
+        built=schedule if name == "auto" else None,
     )
+
+
+def _search(
+    stages: int,
+    chunks: int,
+    costs: Costs,
+    activation: list[int],
+    stored: list[int],
+    budget: int | None,
+) -> Schedule:
+    """The "auto" schedule under what the budget leaves each device for activations.
+
+    One stage per device, so each stage's parameters, gradients and optimizer state come off
+    its device's budget. Without a budget the search may hold every micro-batch (then it is
+    the fastest schedule there is); with one the parameters alone fill, it searches under
+    1F1B's memory, and the plan is rejected as over the budget like any other.
+    """
+    costs = dataclasses.replace(costs, activation_bytes=[max(a, 1) for a in activation])
+    if budget is None:
+        return search(stages, chunks, costs=costs, memory_limit=chunks * max(activation))
+    if all(budget > held for held in stored):
+        try:
+            return search(
+                stages, chunks, costs=costs, memory_limit=[budget - held for held in stored]
+            )
+        except ValueError:  # nothing fits: the plan goes over the budget
+            pass
+    return search(stages, chunks, costs=costs)
 
 
 def _action_overhead(device: str, microbatches: int = 8, steps: int = 5) -> float:
@@ -381,7 +437,12 @@ def _action_overhead(device: str, microbatches: int = 8, steps: int = 5) -> floa
     return statistics.median(seconds) / (2 * (microbatches + 1))
 
 
-def _host_share(measured: Profile, spans: list[tuple[int, int]], devices: list[str]) -> float:
+def _host_share(
+    measured: Profile,
+    spans: list[tuple[int, int]],
+    devices: list[str],
+    placement: Sequence[int] | None = None,
+) -> float:
     """How much slower each stage runs when "cpu" stages share this host's cores.
 
     The profile timed each layer alone and noted how much of that time its thread spent
@@ -397,8 +458,8 @@ def _host_share(measured: Profile, spans: list[tuple[int, int]], devices: list[s
     threads = min(torch.get_num_threads(), cores)
     cpu = [0.0] * len(devices)
     busy = [0.0] * len(devices)
-    for stage, (a, b) in enumerate(spans):  # stage s lives on device s % K
-        device = stage % len(devices)
+    for stage, (a, b) in enumerate(spans):
+        device = placement[stage] if placement is not None else stage % len(devices)
         cpu[device] += sum(measured.cpu[a:b])
         busy[device] += sum(measured.forward[a:b]) + sum(measured.backward[a:b])
     wanted = 0.0

@@ -29,6 +29,8 @@ class Plan:
             of its stages, plus ``activation_memory``.
         activation_memory: bytes per device held for backward at its peak (what
             ``GPipe.timeline.peak_memory`` measures).
+        built: the schedule itself where its name alone does not rebuild it ("auto",
+            searched under this plan's measured costs and memory budget).
     """
 
     stages: int
@@ -42,6 +44,7 @@ class Plan:
     bubble: float
     peak_memory: list[int]
     activation_memory: list[int] = field(default_factory=list)
+    built: Any = None
 
     def pipe_kwargs(self) -> dict[str, Any]:
         """The keyword arguments of :class:`gpipe.GPipe` that build this plan's pipe."""
@@ -50,7 +53,7 @@ class Plan:
             "devices": list(self.devices),
             "chunks": self.chunks,
             "checkpoint": self.checkpoint,
-            "schedule": self.schedule,
+            "schedule": self.schedule if self.built is None else self.built,
             "virtual_stages": self.virtual_stages,
         }
 
