@@ -19,7 +19,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
+_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "zb-v": "ScheduleZBVZeroBubble"}
+# Stages each rank holds; zb-v's two sit in a V: rank r holds stages r and 2K-1-r.
+_STAGES_PER_RANK = {"zb-v": 2}
 
 
 def free_port() -> int:
@@ -57,28 +59,35 @@ def _stage(rank: int, job: _Job, results: Any) -> None:
     try:
         torch.manual_seed(0)
         model = job.factory(*job.factory_args)
-        start = sum(job.balance[:rank])
-        submodule = nn.Sequential(*list(model)[start : start + job.balance[rank]])
-        stage = pipelining.PipelineStage(submodule, rank, job.world, torch.device("cpu"))
+        count = len(job.balance)
+        held = [rank] if count == job.world else [rank, count - 1 - rank]
+        submodules, stages = [], []
+        for index in held:
+            start = sum(job.balance[:index])
+            submodule = nn.Sequential(*list(model)[start : start + job.balance[index]])
+            submodules.append(submodule)
+            stages.append(pipelining.PipelineStage(submodule, index, count, torch.device("cpu")))
         runner = getattr(pipelining, _SCHEDULES[job.schedule])(
-            stage, job.microbatches, loss_fn=job.loss_fn
+            stages[0] if len(stages) == 1 else stages, job.microbatches, loss_fn=job.loss_fn
         )
+        first, last = 0 in held, count - 1 in held
         x, target = job.batch
         times = []
         for _ in range(job.steps + 1):  # the first step warms up
             dist.barrier()
             began = time.perf_counter()
-            if job.world == 1:
+            if first and last:
                 runner.step(x, target=target, losses=[])
-            elif rank == 0:
+            elif first:
                 runner.step(x)
-            elif rank == job.world - 1:
+            elif last:
                 runner.step(target=target, losses=[])
             else:
                 runner.step()
             dist.barrier()
             times.append(time.perf_counter() - began)
-            submodule.zero_grad()
+            for submodule in submodules:
+                submodule.zero_grad()
         if rank == 0:
             results.put(times[1:])
     finally:
@@ -100,13 +109,14 @@ def step_times(
 ) -> list[float]:
     """Per-step seconds of torch.distributed.pipelining running ``schedule`` on the model.
 
-    Each stage process uses ``threads`` intra-op threads (default: this process's count,
-    so both sides compute alike).
+    One process per device: one stage each, or for "zb-v" two (``balance`` then lists 2K
+    stages for K processes). Each process uses ``threads`` intra-op threads (default: this
+    process's count, so both sides compute alike).
 
     Raises:
         RuntimeError: a stage process failed or the run did not finish within ``timeout``.
     """
-    world = len(balance)
+    world = len(balance) // _STAGES_PER_RANK.get(schedule, 1)
     threads = threads or torch.get_num_threads()
     context = mp.get_context("spawn")
     results = context.SimpleQueue()

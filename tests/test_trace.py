@@ -215,6 +215,27 @@ def test_plot_compare_and_memory_add_panels(tmp_path: Path) -> None:
     assert len(bars(tmp_path / "b.png", FORWARD_RGB)) == 8  # measured and predicted
 
 
+def test_plot_stacks_one_panel_per_timeline(tmp_path: Path) -> None:
+    import matplotlib.image
+
+    plain = fill_drain(4, 8, forward=0.01, backward=0.01)
+    split = fill_drain(4, 8, forward=0.01, backward=0.01, weight=0.01)
+    two = matplotlib.image.imread(plot(plain, tmp_path / "two.png", compare=[split]))
+    three = matplotlib.image.imread(
+        plot(plain, tmp_path / "three.png", compare=[split, split], names=["a", "b", "c"])
+    )
+    assert three.shape[0] > two.shape[0]
+    rgb = (two[..., :3] * 255).round()
+    assert ((rgb == [221, 132, 82]).all(axis=-1)).sum() > 1000  # the second panel's W's
+    with pytest.raises(ValueError, match="names lists 1 panels, but there are 2"):
+        plot(plain, tmp_path / "bad.png", compare=[split], names=["a"])
+    # The memory panel (of the first timeline) can be left out.
+    bare = matplotlib.image.imread(
+        plot(plain, tmp_path / "bare.png", compare=[split], memory=False)
+    )
+    assert bare.shape[0] < two.shape[0]
+
+
 def test_plot_draws_a_row_for_every_device_of_a_large_pipeline(tmp_path: Path) -> None:
     out = plot(fill_drain(16, 64, weight=1.0), tmp_path / "nested" / "big.png", title="K=16")
     forward_rows = bars(out, FORWARD_RGB)

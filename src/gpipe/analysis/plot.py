@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -27,7 +28,9 @@ def plot(
     path: str | os.PathLike[str],
     *,
     title: str | None = None,
-    compare: Timeline | None = None,
+    compare: Timeline | Sequence[Timeline] | None = None,
+    names: Sequence[str] | None = None,
+    memory: bool | None = None,
 ) -> Path:
     """Save ``timeline`` as a PNG Gantt chart: a row per device, bars coloured by kind.
 
@@ -41,7 +44,12 @@ def plot(
         path: where to write the PNG; missing parent folders are created.
         title: the figure's title; by default the schedule's name.
         compare: a second timeline, e.g. the simulator's prediction for the same schedule,
-            drawn as a panel underneath on the same time axis ("measured vs predicted").
+            drawn as a panel underneath on the same time axis ("measured vs predicted");
+            or several, one panel each (e.g. every schedule on the same model).
+        names: each panel's name, ``timeline``'s first; by default "measured" or
+            "simulated" by unit, and "predicted" for a single ``compare``.
+        memory: add a panel of what each device holds for backward over time (``timeline``'s);
+            by default when it recorded any.
 
     Returns:
         The path written.
@@ -49,16 +57,21 @@ def plot(
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    panels = [timeline] if compare is None else [timeline, compare]
-    memory = any(timeline.peak_memory)
+    others = [] if compare is None else [compare] if not isinstance(compare, Sequence) else compare
+    panels = [timeline, *others]
+    memory = any(timeline.peak_memory) if memory is None else memory
     heights = [max(1.6, 0.32 * p.devices + 0.9) for p in panels] + ([2.0] if memory else [])
     figure = Figure(figsize=(_FIG_WIDTH, sum(heights) + 0.6), dpi=_DPI, layout="constrained")
     FigureCanvasAgg(figure)
     axes = figure.subplots(len(heights), 1, sharex=True, height_ratios=heights, squeeze=False)
     span = max(p.makespan for p in panels) or 1.0
-    names = [_panel_name(timeline), "predicted"]
+    if names is None:
+        names = [_panel_name(timeline), *(["predicted"] if len(others) == 1 else [])]
+        names += [p.schedule or _panel_name(p) for p in others[len(names) - 1 :]]
+    if len(names) != len(panels):
+        raise ValueError(f"names lists {len(names)} panels, but there are {len(panels)}")
     for ax, panel, name in zip(axes[:, 0], panels, names):
-        _draw_gantt(ax, panel, span, name, first=ax is axes[0, 0])
+        _draw_gantt(ax, panel, span, name, legend=panels if ax is axes[0, 0] else None)
     if memory:
         _draw_memory(axes[-1, 0], timeline)
     axes[-1, 0].set_xlabel("time (s)" if timeline.unit == "s" else f"time ({timeline.unit})")
@@ -74,14 +87,20 @@ def _panel_name(timeline: Timeline) -> str:
     return "measured" if timeline.unit == "s" else "simulated"
 
 
-def _draw_gantt(ax: Axes, timeline: Timeline, span: float, name: str, *, first: bool) -> None:
+def _chunks(timeline: Timeline) -> int:
+    """Stages per device, as drawn: chunk ``stage // K`` (round-robin and V alike)."""
+    devices = max(timeline.devices, 1)
+    return 1 + max((e.action.stage // devices for d in timeline.events for e in d), default=0)
+
+
+def _draw_gantt(
+    ax: Axes, timeline: Timeline, span: float, name: str, *, legend: list[Timeline] | None
+) -> None:
     from matplotlib.colors import to_rgb
     from matplotlib.patches import Patch
 
     devices = timeline.devices
-    chunks = 1 + max(
-        (e.action.stage // max(devices, 1) for d in timeline.events for e in d), default=0
-    )
+    chunks = _chunks(timeline)
     # Label when the text fits the bar: about 0.6 em per character at 7 pt.
     points_per_unit = _FIG_WIDTH * 72 * 0.9 / span
     char_points = 7 * 0.62
@@ -123,9 +142,11 @@ def _draw_gantt(ax: Axes, timeline: Timeline, span: float, name: str, *, first: 
         fontsize=10,
     )
     ax.grid(axis="x", alpha=0.3)
-    if first:
-        handles = [Patch(color=_PLOT_COLOR[k], label=KIND_NAMES[k]) for k in kinds_in(timeline)]
-        if chunks > 1:
+    if legend is not None:
+        present = {kind for panel in legend for kind in kinds_in(panel)}
+        kinds = [kind for kind in (FORWARD, BACKWARD, WEIGHT) if kind in present]
+        handles = [Patch(color=_PLOT_COLOR[k], label=KIND_NAMES[k]) for k in kinds]
+        if max(_chunks(panel) for panel in legend) > 1:
             handles.append(Patch(color="#d0d0d0", label="lighter: later virtual stage"))
         ax.legend(
             handles=handles,

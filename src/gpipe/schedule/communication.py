@@ -12,8 +12,7 @@ validator checks that, and a distributed transport reads each device's list from
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from gpipe.schedule.action import BACKWARD, FORWARD, Action, dependencies
 
@@ -28,6 +27,7 @@ __all__ = [
     "Message",
     "communication",
     "in_pair_order",
+    "keeps_pair_order",
 ]
 
 # The same words the runtime's transport tags use: ("act" | "grad", receiving stage, micro-batch).
@@ -39,8 +39,7 @@ RECV = "recv"
 Tag = tuple[str, int, int]
 
 
-@dataclass(frozen=True, slots=True)
-class Message:
+class Message(NamedTuple):
     """One message between two devices, seen from one of them.
 
     Args:
@@ -121,6 +120,21 @@ def _sent(action: Action, device: int, schedule: Schedule) -> tuple[int, Tag] | 
     return None
 
 
+def keeps_pair_order(schedule: Schedule) -> bool:
+    """Whether every pair's sends come in the order of the matching receives."""
+    sent: dict[tuple[int, int], list[Tag]] = {}
+    taken: dict[tuple[int, int], list[Tag]] = {}
+    for device, actions in enumerate(schedule.actions):
+        for action in actions:
+            received = _received(action, device, schedule)
+            if received is not None:
+                taken.setdefault((received[0], device), []).append(received[1])
+            given = _sent(action, device, schedule)
+            if given is not None:
+                sent.setdefault((device, given[0]), []).append(given[1])
+    return sent == taken
+
+
 def in_pair_order(schedule: Schedule) -> Schedule:
     """The same schedule, reordered so each device takes its messages in the order sent.
 
@@ -137,6 +151,8 @@ def in_pair_order(schedule: Schedule) -> Schedule:
         The reordered schedule; the one given if the devices get stuck either way (the
         validator then says why).
     """
+    if keeps_pair_order(schedule):
+        return schedule
     queues = [list(actions) for actions in schedule.actions]
     ran: list[list[Action]] = [[] for _ in queues]
     done: set[Action] = set()

@@ -17,6 +17,7 @@ device, so what one device sends is what its neighbour takes next.
 
 from __future__ import annotations
 
+import heapq
 from collections import deque
 from collections.abc import Sequence
 
@@ -151,14 +152,21 @@ def greedy(
         return found
 
     # NOTE: a device's choice changes only when it runs something or a neighbour finishes
-    # what it waits for, so only those are re-ranked after each step.
-    choice = [best(d) for d in range(devices)]
+    # what it waits for, so only those are re-ranked after each step; the choices wait in a
+    # heap, where a device's older entries are skipped (its version moved on).
+    version = [0] * devices
+    ranked: list[tuple[tuple[float, int, int, str, int], int, int]] = []
+    for d in range(devices):
+        found = best(d)
+        if found is not None:
+            heapq.heappush(ranked, (found, d, 0))
     remaining = 3 * stages * m
     while remaining:
-        options = [(c, d) for d, c in enumerate(choice) if c is not None]
-        if not options:
+        while ranked and ranked[0][2] != version[ranked[0][1]]:
+            heapq.heappop(ranked)
+        if not ranked:
             return None
-        (start, _, _, kind, s), device = min(options)
+        (start, _, _, kind, s), device, _ = heapq.heappop(ranked)
         if kind == FORWARD:
             i = next_f[s]
             next_f[s] += 1
@@ -182,5 +190,8 @@ def greedy(
         free[device] = end
         remaining -= 1
         for d in set(touched):
-            choice[d] = best(d)
+            version[d] += 1
+            found = best(d)
+            if found is not None:
+                heapq.heappush(ranked, (found, d, version[d]))
     return Schedule(name, lists, microbatches, stages, tuple(placement))

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from gpipe.schedule.action import BACKWARD, FORWARD, KINDS, WEIGHT, Action, dependencies
-from gpipe.schedule.communication import RECV, SEND, Message, communication
+from gpipe.schedule.communication import RECV, SEND, Message, communication, keeps_pair_order
 from gpipe.schedule.grid import format_grid
 from gpipe.schedule.steps import run_in_steps
 
@@ -171,6 +171,8 @@ def _wait_chain(
 
 def _check_pair_order(schedule: Schedule) -> tuple[Cells, list[str]]:
     """Between each ordered pair of devices, messages are received in the order sent."""
+    if keeps_pair_order(schedule):
+        return [], []
     where = {(d, a): p for d, actions in enumerate(schedule.actions) for p, a in enumerate(actions)}
     channels: dict[tuple[int, int, str], list[tuple[int, Message]]] = {}
     for device, messages in enumerate(communication(schedule)):

@@ -6,7 +6,8 @@ needed by nobody until the optimizer step, so it can fill the time a device woul
 * ZB-H1 keeps 1F1B's order and memory and defers W's into 1F1B's idle time.
 * ZB-H2 warms up with more forwards (more memory) so no device ever idles mid-step.
 * ZB-V cuts the model into 2K stages laid out in a V, so the last stage sits on the first
-  device and the backward starts where the forward began: zero bubble at 1F1B's memory.
+  device and the backward starts where the forward began: the shortest step there can
+  be, at 1F1B's memory.
 
 Each docstring draws the generator's output with F = B = W = 1, one column per unit.
 """
@@ -129,9 +130,12 @@ def zb_v(stages: int, microbatches: int) -> Schedule:
     Each action is on half a device's share of the model. With F = B = W and M >= K, one
     step takes ``6M + K-1`` of these units, the least possible (the last device waits
     ``K-1`` for its first input, then works ``6M``): a bubble of ``(K-1) / (6M + K-1)``,
-    half of ZB-H1's, and zero when steps run back to back. Memory: at most ``2K``
-    stage-micro-batches per device, on every device once M >= K; each is half of a 1F1B
-    stage, so that is 1F1B's K micro-batches (the paper's ``p·M_B``).
+    half of ZB-H1's. Memory: at most ``2K`` stage-micro-batches per device, on every
+    device once M >= K; each is half of a 1F1B stage, so that is 1F1B's K micro-batches
+    (the paper's ``p·M_B``). The paper's ZB-V also idles nowhere when steps run back to
+    back; this one idles ``K-1-d`` on device ``d`` there (device 0 waits for its first
+    second-stage input rather than send its neighbour forwards out of turn), the price of
+    the message order, which one step alone does not pay.
 
     Args:
         stages: K, the number of devices; the model is cut into 2K stages.

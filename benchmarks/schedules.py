@@ -1,0 +1,267 @@
+"""Every schedule on one model of known latency: measured step vs simulated, bubble, memory.
+
+The model is 2K SleepLayers of F = B = W = 5 ms (forward, input gradient, weight gradient),
+so each device's share costs 10 ms for each of F, B and W whether a device holds one stage
+of two layers (gpipe, 1f1b, zb-h1, zb-h2, auto) or two stages of one layer (interleaved,
+zb-v). Schedules without W actions pay B + W in their backward. "auto" is searched under
+these costs at two memory limits, K and 2K-1 micro-batches (one stage per device).
+
+For each schedule and M the run reports the measured step time (median over steps), the
+simulator's step time under the nominal costs (the schedule's step with zero overhead) and
+the error against it; "own", the error against the simulator fed the step's own measured
+action durations (what hand-offs and waits cost, without what each sleep overshoots); the
+bubble (one step alone, and back to back); and the peak activation memory per device,
+simulated and measured (the bytes each device held for backward over the bytes one
+micro-batch's input takes on one stage: the same unit, as the loss keeps nothing more).
+torch.distributed.pipelining runs the schedules it has (GPipe, 1F1B, ZBV) on the same
+layers, one process per device.
+
+    python benchmarks/schedules.py                 # K=4, M=8 and 16, every schedule
+    python benchmarks/schedules.py --quick         # M=8, 3 steps, no torch
+    python benchmarks/schedules.py --plot docs/images/schedules.png   # the stacked timelines
+
+The runtime is local (one thread per device); ``--runtime distributed`` is where the
+multi-process runtime plugs in (a Runner with the same two methods).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+import torch_reference
+from gpipe import GPipe
+from gpipe.analysis import Costs, Timeline, search, simulate
+from gpipe.models import sleep_stages
+from gpipe.schedule import Schedule, make_schedule
+
+WIDTH = 256  # floats per sample: a micro-batch's input is rows x WIDTH x 4 bytes
+
+
+def mean_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """A loss that keeps no tensor for its backward, so the last stage holds only its input
+    per micro-batch, as every other stage does (mse_loss would keep two more)."""
+    return output.mean() + 0 * target.mean()
+
+
+@dataclass(frozen=True)
+class Case:
+    """One schedule: its name, stages per device, and for "auto" the memory limit."""
+
+    name: str
+    v: int = 1
+    limit: int | None = None
+
+    @property
+    def label(self) -> str:
+        if self.name == "auto":
+            return f"auto@{self.limit}"
+        return self.name + (f" v={self.v}" if self.name == "interleaved" else "")
+
+    def schedule(self, k: int, m: int, layer_ms: float) -> Schedule:
+        """The schedule for K devices and M micro-batches, "auto" searched under the costs."""
+        if self.name == "auto":
+            stage_ms = layer_ms * 2 // self.v
+            costs = Costs(forward=stage_ms, backward=stage_ms, weight=stage_ms)
+            return search(k, m, virtual_stages=self.v, costs=costs, memory_limit=self.limit)
+        return make_schedule(self.name, k, m, virtual_stages=self.v)
+
+
+def cases(k: int) -> list[Case]:
+    return [
+        Case("gpipe"),
+        Case("1f1b"),
+        Case("interleaved", v=2),
+        Case("zb-h1"),
+        Case("zb-h2"),
+        Case("zb-v", v=2),
+        Case("auto", limit=k),
+        Case("auto", limit=2 * k - 1),
+    ]
+
+
+@dataclass
+class Measured:
+    """What one runtime measured for one schedule."""
+
+    step_ms: float
+    steps_ms: list[float]
+    timeline: Timeline
+    peak_units: list[float]
+    own_ms: float  # the simulator fed this step's own action durations
+
+
+class Runner(Protocol):
+    """A runtime that runs a schedule on the benchmark model and times it."""
+
+    name: str
+
+    def run(self, schedule: Schedule, k: int, m: int, layer_ms: float, steps: int) -> Measured:
+        """Median and per-step times of ``train_step``, and the last step's timeline."""
+
+
+class LocalRunner:
+    """The in-process runtime: one worker thread per device."""
+
+    name = "local"
+
+    def run(self, schedule: Schedule, k: int, m: int, layer_ms: float, steps: int) -> Measured:
+        layers = 2 * k
+        v = schedule.virtual_stages
+        pipe = GPipe(
+            sleep_stages(layers, layer_ms, layer_ms, layer_ms),
+            [2 // v] * (k * v),
+            devices=["cpu"] * k,
+            chunks=m,
+            checkpoint="never",
+            schedule=schedule,
+            virtual_stages=v,
+        )
+        # NOTE: the input requires grad so stage 0 runs B and W apart like every other stage,
+        # as the cost model says; without it SleepLayer moves stage 0's B onto its W.
+        x = torch.randn(m, WIDTH, requires_grad=True)
+        target = torch.randn(m, WIDTH)
+        pipe.train_step(x, target, mean_loss)  # warm-up
+        times = []
+        for _ in range(steps):
+            began = time.perf_counter()
+            pipe.train_step(x, target, mean_loss)
+            times.append((time.perf_counter() - began) * 1e3)
+        unit = WIDTH * 4  # one micro-batch (one row here) of input on one stage, in bytes
+        peaks = [b / unit for b in pipe.timeline.peak_memory]
+        own = pipe.predicted_timeline().makespan * 1e3
+        return Measured(statistics.median(times), times, pipe.timeline, peaks, own)
+
+
+def torch_ms(name: str, k: int, m: int, layer_ms: float, steps: int) -> float | None:
+    """Median ms per step of torch.distributed.pipelining, where it has the schedule."""
+    if name not in torch_reference._SCHEDULES:
+        return None
+    balance = [1] * (2 * k) if name == "zb-v" else [2] * k
+    times = torch_reference.step_times(
+        sleep_stages,
+        (2 * k, layer_ms, layer_ms, layer_ms),
+        balance,
+        schedule=name,
+        microbatches=m,
+        batch=(torch.randn(m, WIDTH), torch.randn(m, WIDTH)),
+        loss_fn=mean_loss,
+        steps=steps,
+    )
+    return statistics.median(times) * 1e3
+
+
+def _shrink(path: Path) -> None:
+    """Fewer colours, so the picture is small enough to keep in the repository."""
+    from PIL import Image
+
+    with Image.open(path) as image:
+        small = image.convert("RGB").quantize(colors=32, method=Image.Quantize.MEDIANCUT)
+    small.save(path, optimize=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--stages", "-K", type=int, default=4)
+    parser.add_argument("--microbatches", "-M", type=int, nargs="+", default=[8, 16])
+    parser.add_argument(
+        "--share-ms", type=float, default=10.0, help="F = B = W of one device's share (ms)"
+    )
+    parser.add_argument("--steps", type=int, default=7)
+    parser.add_argument("--runtime", choices=["local", "distributed"], default="local")
+    parser.add_argument("--no-torch", action="store_true", help="skip torch.distributed")
+    parser.add_argument("--quick", action="store_true", help="M=8, 3 steps, no torch")
+    parser.add_argument("--plot", metavar="PNG", help="save the measured timelines, stacked")
+    args = parser.parse_args()
+    if args.runtime == "distributed":
+        parser.error("the distributed runtime is not in this branch yet: use --runtime local")
+    if args.quick:
+        args.microbatches, args.steps, args.no_torch = [8], 3, True
+    runner: Runner = LocalRunner()
+    k, layer_ms = args.stages, args.share_ms / 2
+
+    header = (
+        f"{'schedule':>15} {'M':>3} {'measured':>9} {'simulated':>9} {'error':>7} "
+        f"{'own':>7} {'bubble':>7} {'steady':>7} {'sim peak':>12} {'measured peak':>14} "
+        f"{'torch':>7}"
+    )
+    print(
+        f"K={k}, F=B=W={args.share_ms:g} ms per device share "
+        f"({2 * k} SleepLayers of {layer_ms:g} ms); runtime={runner.name}; "
+        f"times in ms, memory in micro-batches of one stage"
+    )
+    print(header)
+    results: list[dict[str, object]] = []
+    shown: dict[int, list[tuple[str, Timeline]]] = {}
+    for m in args.microbatches:
+        for case in cases(k):
+            schedule = case.schedule(k, m, layer_ms)
+            stage_ms = 2 * layer_ms / schedule.virtual_stages
+            predicted = simulate(schedule, Costs(stage_ms, stage_ms, stage_ms))
+            measured = runner.run(schedule, k, m, layer_ms, args.steps)
+            reference = None if args.no_torch else torch_ms(case.name, k, m, layer_ms, args.steps)
+            shown.setdefault(m, []).append((case.label, measured.timeline))
+            error = measured.step_ms / predicted.makespan - 1
+            own_error = measured.step_ms / measured.own_ms - 1
+            sim_peak = ",".join(f"{p:g}" for p in predicted.peak_memory)
+            real_peak = ",".join(f"{p:.3g}" for p in measured.peak_units)
+            print(
+                f"{case.label:>15} {m:>3} {measured.step_ms:9.1f} {predicted.makespan:9.1f} "
+                f"{error:+7.2%} {own_error:+7.2%} {predicted.bubble:7.3f} "
+                f"{predicted.steady_bubble:7.3f} {sim_peak:>12} {real_peak:>14} "
+                + (f"{reference:7.1f}" if reference is not None else f"{'-':>7}")
+            )
+            fields: dict[str, object] = {
+                "runtime": runner.name,
+                "schedule": case.label.replace(" ", ""),
+                "stages": k,
+                "microbatches": m,
+                "measured_ms": f"{measured.step_ms:.1f}",
+                "simulated_ms": f"{predicted.makespan:.1f}",
+                "error": f"{error:.4f}",
+                "own_ms": f"{measured.own_ms:.1f}",
+                "error_own": f"{own_error:.4f}",
+                "bubble": f"{predicted.bubble:.4f}",
+                "steady_bubble": f"{predicted.steady_bubble:.4f}",
+                "peak_memory": sim_peak,
+                "measured_peak": real_peak,
+            }
+            if reference is not None:
+                fields["torch_ms"] = f"{reference:.1f}"
+            results.append(fields)
+    for fields in results:
+        print("RESULT " + " ".join(f"{key}={value}" for key, value in fields.items()))
+    for m in args.microbatches:
+        by = {r["schedule"]: r for r in results if r["microbatches"] == m}
+        v, one = by["zb-v"], by["1f1b"]
+        measured_gain = float(one["measured_ms"]) / float(v["measured_ms"]) - 1
+        predicted_gain = float(one["simulated_ms"]) / float(v["simulated_ms"]) - 1
+        worst = max(abs(float(r["error"])) for r in by.values())
+        print(
+            f"RESULT runtime={runner.name} stages={k} microbatches={m} "
+            f"zb_v_faster_than_1f1b_measured={measured_gain:.4f} "
+            f"predicted={predicted_gain:.4f} worst_abs_error={worst:.4f}"
+        )
+    if args.plot:
+        m = args.microbatches[0]
+        (label, first), *rest = shown[m]
+        path = first.plot(
+            args.plot,
+            compare=[t for _, t in rest],
+            names=[label] + [name for name, _ in rest],
+            memory=False,
+            title=f"every schedule, K={k}, M={m}, F=B=W={args.share_ms:g} ms per device "
+            f"(measured, {runner.name} runtime)",
+        )
+        _shrink(path)
+        print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
