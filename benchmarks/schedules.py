@@ -1,10 +1,11 @@
 """Every schedule on one model of known latency: measured step vs simulated, bubble, memory.
 
-The model is 2K SleepLayers of F = B = W = 5 ms (forward, input gradient, weight gradient),
-so each device's share costs 10 ms for each of F, B and W whether a device holds one stage
+The model is 2K SleepLayers of F = B = W = 10 ms (forward, input gradient, weight gradient),
+so each device's share costs 20 ms for each of F, B and W whether a device holds one stage
 of two layers (gpipe, 1f1b, zb-h1, zb-h2, auto) or two stages of one layer (interleaved,
-zb-v). Schedules without W actions pay B + W in their backward. "auto" is searched under
-these costs at two memory limits, K and 2K-1 micro-batches (one stage per device).
+zb-v): the same model, the same work. Schedules without W actions pay B + W in their
+backward. "auto" is searched under these costs at two memory limits, K and 2K-1
+micro-batches (one stage per device).
 
 For each schedule and M the run reports the measured step time (median over steps), the
 simulator's step time under the nominal costs (the schedule's step with zero overhead) and
@@ -67,7 +68,7 @@ class Case:
     def schedule(self, k: int, m: int, layer_ms: float) -> Schedule:
         """The schedule for K devices and M micro-batches, "auto" searched under the costs."""
         if self.name == "auto":
-            stage_ms = layer_ms * 2 // self.v
+            stage_ms = layer_ms * 2 / self.v
             costs = Costs(forward=stage_ms, backward=stage_ms, weight=stage_ms)
             return search(k, m, virtual_stages=self.v, costs=costs, memory_limit=self.limit)
         return make_schedule(self.name, k, m, virtual_stages=self.v)
@@ -171,7 +172,7 @@ def main() -> None:
     parser.add_argument("--stages", "-K", type=int, default=4)
     parser.add_argument("--microbatches", "-M", type=int, nargs="+", default=[8, 16])
     parser.add_argument(
-        "--share-ms", type=float, default=10.0, help="F = B = W of one device's share (ms)"
+        "--layer-ms", type=float, default=10.0, help="F = B = W of each of the 2K layers (ms)"
     )
     parser.add_argument("--steps", type=int, default=7)
     parser.add_argument("--runtime", choices=["local", "distributed"], default="local")
@@ -184,7 +185,7 @@ def main() -> None:
     if args.quick:
         args.microbatches, args.steps, args.no_torch = [8], 3, True
     runner: Runner = LocalRunner()
-    k, layer_ms = args.stages, args.share_ms / 2
+    k, layer_ms = args.stages, args.layer_ms
 
     header = (
         f"{'schedule':>15} {'M':>3} {'measured':>9} {'simulated':>9} {'error':>7} "
@@ -192,9 +193,8 @@ def main() -> None:
         f"{'torch':>7}"
     )
     print(
-        f"K={k}, F=B=W={args.share_ms:g} ms per device share "
-        f"({2 * k} SleepLayers of {layer_ms:g} ms); runtime={runner.name}; "
-        f"times in ms, memory in micro-batches of one stage"
+        f"K={k}, {2 * k} SleepLayers of F=B=W={layer_ms:g} ms ({2 * layer_ms:g} ms per device "
+        f"share); runtime={runner.name}; times in ms, memory in micro-batches of one stage"
     )
     print(header)
     results: list[dict[str, object]] = []
@@ -219,7 +219,8 @@ def main() -> None:
             )
             fields: dict[str, object] = {
                 "runtime": runner.name,
-                "schedule": case.label.replace(" ", ""),
+                "schedule": case.name,
+                "label": case.label.replace(" ", "-").replace("=", ""),
                 "stages": k,
                 "microbatches": m,
                 "measured_ms": f"{measured.step_ms:.1f}",
@@ -238,7 +239,7 @@ def main() -> None:
     for fields in results:
         print("RESULT " + " ".join(f"{key}={value}" for key, value in fields.items()))
     for m in args.microbatches:
-        by = {r["schedule"]: r for r in results if r["microbatches"] == m}
+        by = {r["label"]: r for r in results if r["microbatches"] == m}
         v, one = by["zb-v"], by["1f1b"]
         measured_gain = float(one["measured_ms"]) / float(v["measured_ms"]) - 1
         predicted_gain = float(one["simulated_ms"]) / float(v["simulated_ms"]) - 1
@@ -256,7 +257,7 @@ def main() -> None:
             compare=[t for _, t in rest],
             names=[label] + [name for name, _ in rest],
             memory=False,
-            title=f"every schedule, K={k}, M={m}, F=B=W={args.share_ms:g} ms per device "
+            title=f"every schedule, K={k}, M={m}, {2 * k} layers of F=B=W={layer_ms:g} ms "
             f"(measured, {runner.name} runtime)",
         )
         _shrink(path)
