@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import inspect
+import textwrap
+
 import pytest
 
 from gpipe.analysis import Costs, search, simulate
 from gpipe.schedule import greedy, make_schedule, round_robin, v_shape, validate
+from test_schedule import unit_time_picture
 
 EQUAL = Costs(forward=1, backward=1, weight=1)
 
@@ -87,6 +91,13 @@ def test_auto_trades_memory_for_time_below_1f1b_memory():
     # No named schedule fits under 1F1B's K, yet 3/4 of it already runs as fast as 1F1B.
     assert fitting_named(k, m, 1, EQUAL, 3) == []
     assert times[3] <= simulate(make_schedule("1f1b", k, m), EQUAL).makespan
+
+
+def test_docstring_picture_is_the_search_below_1f1b_memory():
+    schedule = search(3, 4, memory_limit=2)
+    assert simulate(schedule, EQUAL).peak_memory == [2, 2, 2]
+    picture = textwrap.indent(unit_time_picture(schedule), "    ")
+    assert picture in textwrap.dedent(inspect.getdoc(search) or "")
 
 
 def test_auto_defaults_to_unit_costs_and_1f1b_memory():

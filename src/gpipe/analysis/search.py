@@ -67,6 +67,14 @@ def search(
     stage's ``costs.activation_bytes`` (1 by default: one unit per micro-batch per stage)
     until its W (its B, in a schedule without W actions).
 
+    Below 1F1B's memory, where no named schedule fits, it still finds one. For 3 stages,
+    4 micro-batches, F = B = W = 1 and at most 2 micro-batches per device (1F1B holds 3 on
+    device 0), laid out in time::
+
+        0: 0F0 0F1             0B0 0W0 0B1 0F2 0W1 0F3         0B2 0W2 0B3 0W3
+        1:     1F0 1F1     1B0 1W0 1B1 1W1     1F2     1F3 1B2 1W2 1B3 1W3
+        2:         2F0 2B0 2F1 2B1 2W0 2W1         2F2 2B2 2F3 2B3 2W2 2W3
+
     Args:
         stages: K, the number of devices.
         microbatches: M.
