@@ -11,9 +11,11 @@ For each schedule and M the run reports the measured step time (median over step
 simulator's step time under the nominal costs (the schedule's step with zero overhead) and
 the error against it; "own", the error against the simulator fed the step's own measured
 action durations (what hand-offs and waits cost, without what each sleep overshoots); the
-bubble (one step alone, and back to back); and the peak activation memory per device,
-simulated and measured (the bytes each device held for backward over the bytes one
-micro-batch's input takes on one stage: the same unit, as the loss keeps nothing more).
+bubble (one step alone, and back to back); and the peak memory per device: in the
+schedule's own unit (micro-batches of one stage held, from F to its W or B), and in bytes,
+predicted by the memory walk the planner uses (gpipe.analysis.activation_peaks on a
+profile of the layers: inputs, gradients sent and received, what B keeps for W) beside
+what the runtime measured.
 torch.distributed.pipelining runs the schedules it has (GPipe, 1F1B, ZBV) on the same
 layers, one process per device.
 
@@ -38,7 +40,8 @@ import torch
 
 import torch_reference
 from gpipe import GPipe
-from gpipe.analysis import Costs, Timeline, search, simulate
+from gpipe.analysis import Costs, Timeline, activation_peaks, search, simulate
+from gpipe.balance.profiler import Profile, profile
 from gpipe.models import sleep_stages
 from gpipe.schedule import Schedule, make_schedule
 
@@ -94,7 +97,7 @@ class Measured:
     step_ms: float
     steps_ms: list[float]
     timeline: Timeline
-    peak_units: list[float]
+    peak_bytes: list[float]
     own_ms: float  # the simulator fed this step's own action durations
 
 
@@ -134,10 +137,21 @@ class LocalRunner:
             began = time.perf_counter()
             pipe.train_step(x, target, mean_loss)
             times.append((time.perf_counter() - began) * 1e3)
-        unit = WIDTH * 4  # one micro-batch (one row here) of input on one stage, in bytes
-        peaks = [b / unit for b in pipe.timeline.peak_memory]
         own = pipe.predicted_timeline().makespan * 1e3
-        return Measured(statistics.median(times), times, pipe.timeline, peaks, own)
+        return Measured(
+            statistics.median(times), times, pipe.timeline, pipe.timeline.peak_memory, own
+        )
+
+
+def predicted_bytes(schedule: Schedule, layers: Profile) -> list[float]:
+    """Per device, the peak bytes the planner's memory walk predicts for this schedule."""
+    per = 2 // schedule.virtual_stages
+    spans = [(s * per, (s + 1) * per) for s in range(schedule.stages)]
+    full = [layers.stage_activation_bytes(a, b) for a, b in spans]
+    kept = [layers.input_bytes[a] for a, _ in spans]
+    deferred = [sum(layers.deferred_bytes[a:b]) for a, b in spans]
+    # The input takes a gradient here, so every stage sends one back, the size of its input.
+    return activation_peaks(schedule, full, kept, "never", gradient=kept, deferred=deferred)
 
 
 def torch_ms(name: str, k: int, m: int, layer_ms: float, steps: int) -> float | None:
@@ -189,14 +203,21 @@ def main() -> None:
 
     header = (
         f"{'schedule':>15} {'M':>3} {'measured':>9} {'simulated':>9} {'error':>7} "
-        f"{'own':>7} {'bubble':>7} {'steady':>7} {'sim peak':>12} {'measured peak':>14} "
-        f"{'torch':>7}"
+        f"{'own':>7} {'bubble':>7} {'steady':>7} {'peak mb':>12} {'predicted KiB':>14} "
+        f"{'measured KiB':>14} {'torch':>7}"
     )
     print(
         f"K={k}, {2 * k} SleepLayers of F=B=W={layer_ms:g} ms ({2 * layer_ms:g} ms per device "
-        f"share); runtime={runner.name}; times in ms, memory in micro-batches of one stage"
+        f"share); runtime={runner.name}; times in ms; peak memory in micro-batches of one "
+        "stage (the schedule's unit) and in KiB (a micro-batch's input is 1 KiB)"
     )
     print(header)
+    layers = profile(
+        sleep_stages(2 * k, layer_ms, layer_ms, layer_ms),
+        torch.randn(1, WIDTH, requires_grad=True),
+        repeats=1,
+        split_backward=True,
+    )
     results: list[dict[str, object]] = []
     shown: dict[int, list[tuple[str, Timeline]]] = {}
     for m in args.microbatches:
@@ -210,11 +231,12 @@ def main() -> None:
             error = measured.step_ms / predicted.makespan - 1
             own_error = measured.step_ms / measured.own_ms - 1
             sim_peak = ",".join(f"{p:g}" for p in predicted.peak_memory)
-            real_peak = ",".join(f"{p:.3g}" for p in measured.peak_units)
+            walk = ",".join(f"{b / 1024:g}" for b in predicted_bytes(schedule, layers))
+            real = ",".join(f"{b / 1024:g}" for b in measured.peak_bytes)
             print(
                 f"{case.label:>15} {m:>3} {measured.step_ms:9.1f} {predicted.makespan:9.1f} "
                 f"{error:+7.2%} {own_error:+7.2%} {predicted.bubble:7.3f} "
-                f"{predicted.steady_bubble:7.3f} {sim_peak:>12} {real_peak:>14} "
+                f"{predicted.steady_bubble:7.3f} {sim_peak:>12} {walk:>14} {real:>14} "
                 + (f"{reference:7.1f}" if reference is not None else f"{'-':>7}")
             )
             fields: dict[str, object] = {
@@ -231,7 +253,8 @@ def main() -> None:
                 "bubble": f"{predicted.bubble:.4f}",
                 "steady_bubble": f"{predicted.steady_bubble:.4f}",
                 "peak_memory": sim_peak,
-                "measured_peak": real_peak,
+                "predicted_kib": walk,
+                "measured_kib": real,
             }
             if reference is not None:
                 fields["torch_ms"] = f"{reference:.1f}"

@@ -158,7 +158,7 @@ def test_pipe_rejects_a_schedule_object_for_another_size() -> None:
     with pytest.raises(ValueError, match=r"3 devices x 3 stages, but the pipe has 2 devices"):
         GPipe(make_mlp(LAYERS), [8, 8], devices=["cpu"] * 2, chunks=5, schedule=schedule)
     with pytest.raises(ValueError, match="virtual_stages=2"):
-        GPipe(make_mlp(LAYERS), [4] * 4, devices=["cpu"] * 2, chunks=5, schedule="zb-v")
+        GPipe(make_mlp(LAYERS), [8, 8], devices=["cpu"] * 2, chunks=5, schedule="zb-v")
     pipe = GPipe(make_mlp(LAYERS), [6, 5, 5], devices=["cpu"] * 3, chunks=5, schedule=schedule)
     x, target = batch(3)  # 3 samples split into 3 micro-batches, not 5
     with pytest.raises(ValueError, match=r"built for 5 micro-batches, but this batch splits"):
