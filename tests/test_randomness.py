@@ -1,76 +1,296 @@
-"""Dropout in a pipeline: one random stream per (stage, micro-batch), replayed exactly."""
+"""Random streams: one per (layer, micro-batch), so every layout draws the same masks."""
 
 from __future__ import annotations
 
+import functools
+import warnings
+
 import pytest
 import torch
+from torch import nn
 from torch.nn import functional as F
+from torch.testing import assert_close
 
-from conftest import make_mlp
 from gpipe import GPipe
-from gpipe.randomness import draw_step_seed, stream_seed
+from gpipe.microbatch import scatter
+from gpipe.models import SleepLayer
+from gpipe.randomness import LOSS_KEY, draw_step_seed, layer_stream, stream_seed
+
+SEED = 3
 
 
-def _grads_after_step(checkpoint: str, seed: int, *, via: str = "train_step") -> list[torch.Tensor]:
-    model = make_mlp(6, width=16, dropout=0.5)
-    pipe = GPipe(model, [3, 6, 6, 3], chunks=4, checkpoint=checkpoint)
-    x = torch.linspace(-1, 1, 32 * 16, dtype=torch.float64).view(32, 16)
-    target = torch.zeros(32, 16, dtype=torch.float64)
-    torch.manual_seed(seed)
-    if via == "train_step":
-        pipe.train_step(x, target, F.mse_loss)
-    else:
-        F.mse_loss(pipe(x), target).backward()
-    return [p.grad.clone() for p in model.parameters()]
+class Noise(nn.Module):
+    """Adds Gaussian noise: a factory random op (``randn_like``) besides dropout's."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + 0.1 * torch.randn_like(x)
 
 
-def _equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
-    return all(torch.equal(x, y) for x, y in zip(a, b))
+def _model(p: float = 0.5) -> nn.Sequential:
+    """Eight layers, five of which draw random numbers, in float64."""
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(8, 8),
+        nn.Dropout(p),
+        nn.Tanh(),
+        nn.Linear(8, 8),
+        Noise(),
+        nn.Dropout(p / 2),
+        nn.Linear(8, 8),
+        nn.Dropout(p),
+    ).double()
+
+
+X = torch.linspace(-1, 1, 8 * 8, dtype=torch.float64).view(8, 8)
+TARGET = torch.zeros(8, 8, dtype=torch.float64)
+
+
+def _reference(
+    model: nn.Sequential, chunks: int, step_seed: int
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Plain PyTorch over the micro-batches, each layer on its pipe stream: loss and grads."""
+    total = torch.zeros((), dtype=torch.float64)
+    for m, (x, target) in enumerate(zip(scatter(X, chunks), scatter(TARGET, chunks))):
+        for position, layer in enumerate(model):
+            with layer_stream(step_seed, position, m):
+                x = layer(x)
+        with layer_stream(step_seed, LOSS_KEY, m):
+            total = total + F.mse_loss(x, target) * (len(target) / len(TARGET))
+    total.backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    return total.detach(), grads
+
+
+@functools.cache
+def _expected(chunks: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    model = _model()
+    torch.manual_seed(SEED)
+    return _reference(model, chunks, draw_step_seed())
+
+
+def _pipe_step(pipe: GPipe, model: nn.Sequential) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    torch.manual_seed(SEED)
+    loss = pipe.train_step(X, TARGET, F.mse_loss)
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    return loss, grads
+
+
+LAYOUTS = {  # schedule -> (balances, virtual stages)
+    "gpipe": ([[1] * 8, [2, 6], [4, 4], [3, 3, 2], [8]], 1),
+    "1f1b": ([[1] * 8, [2, 6], [4, 4], [3, 3, 2]], 1),
+    "zb-h1": ([[1] * 8, [2, 6], [4, 4], [3, 3, 2]], 1),
+    "interleaved": ([[1] * 8, [2, 6], [4, 4], [2, 2, 2, 2]], 2),
+}
+
+
+@pytest.mark.parametrize("chunks", [1, 2, 4])
+@pytest.mark.parametrize("schedule", list(LAYOUTS))
+def test_every_layout_draws_the_masks_of_the_plain_reference(schedule: str, chunks: int) -> None:
+    """Balance, devices, schedule, virtual stages, checkpoint: the same loss and gradients."""
+    balances, virtual = LAYOUTS[schedule]
+    expected_loss, expected_grads = _expected(chunks)
+    for balance in balances:
+        for checkpoint in ["always", "except_last", "never"]:
+            model = _model()
+            pipe = GPipe(
+                model,
+                balance,
+                chunks=chunks,
+                checkpoint=checkpoint,
+                schedule=schedule,
+                virtual_stages=virtual,
+            )
+            loss, grads = _pipe_step(pipe, model)
+            layout = f"balance={balance} checkpoint={checkpoint}"
+            assert_close(loss, expected_loss, msg=lambda m, layout=layout: f"{layout}: {m}")
+            assert_close(grads, expected_grads, msg=lambda m, layout=layout: f"{layout}: {m}")
+
+
+def test_the_masks_are_not_all_kept() -> None:
+    """The reference really drops: its gradients differ from the model without dropout."""
+    with_dropout = _reference(_model(), 2, SEED)[1]
+    without = _reference(_model(p=0.0), 2, SEED)[1]
+    assert not all(torch.equal(a, b) for a, b in zip(with_dropout, without))
+
+
+def test_pipe_call_and_backward_draw_the_masks_of_train_step() -> None:
+    model = _model()
+    pipe = GPipe(model, [3, 5], chunks=4, checkpoint="always")
+    torch.manual_seed(SEED)
+    F.mse_loss(pipe(X), TARGET).backward()
+    assert_close([p.grad for p in model.parameters()], _expected(4)[1])
 
 
 def test_same_seed_gives_bitwise_identical_gradients_across_runs() -> None:
-    runs = [_grads_after_step("never", seed=7) for _ in range(4)]
-    assert all(_equal(runs[0], run) for run in runs[1:])
-
-
-def test_different_seeds_draw_different_masks() -> None:
-    assert not _equal(_grads_after_step("never", seed=7), _grads_after_step("never", seed=8))
+    runs = []
+    for _ in range(3):
+        model = _model()
+        runs.append(_pipe_step(GPipe(model, [2, 3, 3], chunks=4), model)[1])
+    assert all(torch.equal(a, b) for run in runs[1:] for a, b in zip(runs[0], run))
 
 
 @pytest.mark.parametrize("checkpoint", ["always", "except_last"])
-def test_recomputation_replays_the_same_dropout_masks(checkpoint: str) -> None:
-    assert _equal(_grads_after_step(checkpoint, seed=3), _grads_after_step("never", seed=3))
+def test_recomputation_replays_the_masks_bitwise(checkpoint: str) -> None:
+    model = _model()
+    kept = _pipe_step(GPipe(model, [4, 4], chunks=4, checkpoint="never"), model)[1]
+    recomputed = _pipe_step(GPipe(model, [4, 4], chunks=4, checkpoint=checkpoint), model)[1]
+    assert all(torch.equal(a, b) for a, b in zip(kept, recomputed))
 
 
-def test_forward_backward_and_train_step_draw_the_same_masks() -> None:
-    torch.testing.assert_close(
-        _grads_after_step("always", seed=5, via="call"), _grads_after_step("never", seed=5)
-    )
+def test_consecutive_steps_and_seeds_draw_different_masks() -> None:
+    model = _model()
+    pipe = GPipe(model, [4, 4], chunks=2)
+    first = _pipe_step(pipe, model)[1]
+    pipe.train_step(X, TARGET, F.mse_loss)
+    second = [p.grad.clone() for p in model.parameters()]
+    assert not all(torch.equal(a, b) for a, b in zip(first, second))
 
 
-def test_only_stages_that_draw_random_numbers_are_serialized() -> None:
-    from torch import nn
+def test_pipeline_advances_the_global_generator_by_one_draw_per_step() -> None:
+    for balance in ([4, 4], [8]):  # shared and owned CPU generator
+        pipe = GPipe(_model(), balance, chunks=3, checkpoint="always")
+        torch.manual_seed(11)
+        pipe.train_step(X, TARGET, F.mse_loss)
+        after_step = torch.rand(3)
+        torch.manual_seed(11)
+        draw_step_seed()
+        assert torch.equal(after_step, torch.rand(3))
 
+
+def test_a_layer_that_starts_drawing_later_is_caught_and_replayed() -> None:
+    """Dropout at p=0 draws nothing; raised to 0.5 it must draw on its stream at once."""
+    for balance, checkpoint in [([3, 5], "always"), ([3, 5], "never"), ([8], "except_last")]:
+        model = _model(p=0.0)
+        pipe = GPipe(model, balance, chunks=4, checkpoint=checkpoint)
+        for _ in range(3):
+            pipe.train_step(X, TARGET, F.mse_loss)
+        assert pipe._stages.streams.kind(1, True) == "plain"
+        for layer in model:
+            if isinstance(layer, nn.Dropout):
+                layer.p = 0.5
+        model[5].p = 0.25
+        model.zero_grad(set_to_none=True)
+        loss, grads = _pipe_step(pipe, model)
+        assert_close(loss, _expected(4)[0])
+        assert_close(grads, _expected(4)[1])
+        assert pipe._stages.streams.kind(1, True) in ("routed", "seeded")
+
+
+def test_a_late_drawing_layer_counts_its_saved_bytes_once() -> None:
+    model = _model(p=0.0)
+    pipe = GPipe(model, [4, 4], chunks=2, checkpoint="never")
+    pipe.train_step(X, TARGET, F.mse_loss)
+    counted = dict(pipe._stages.saved_bytes)
+    model[1].p = 0.5
+    pipe.train_step(X, TARGET, F.mse_loss)  # redone: counted again next time, not cached
+    pipe.train_step(X, TARGET, F.mse_loss)
+    same = _model(p=0.0)
+    same[1].p = 0.5
+    fresh = GPipe(same, [4, 4], chunks=2, checkpoint="never")
+    fresh.train_step(X, TARGET, F.mse_loss)
+    assert pipe._stages.saved_bytes == fresh._stages.saved_bytes != counted
+
+
+def test_only_layers_that_draw_run_on_a_stream() -> None:
     model = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.1), nn.Linear(4, 4), nn.Tanh())
     pipe = GPipe(model, [2, 2], chunks=2)
     pipe.train_step(torch.randn(4, 4), torch.randn(4, 4), F.mse_loss)
-    assert pipe._stages.draws_random == {(0, True): True, (1, True): False}
+    kinds = [pipe._stages.streams.kind(i, True) for i in range(4)]
+    assert kinds == ["plain", "routed", "plain", "plain"]
+    single = GPipe(model, [4], chunks=2)  # one worker owns the CPU generator: no routing
+    single.train_step(torch.randn(4, 4), torch.randn(4, 4), F.mse_loss)
+    assert [single._stages.streams.kind(i, True) for i in range(4)][1] == "seeded"
 
 
-def test_pipeline_leaves_the_global_stream_as_one_seed_draw_would() -> None:
-    pipe = GPipe(make_mlp(4, dropout=0.5), [6, 6], chunks=3)
-    torch.manual_seed(11)
-    pipe.train_step(
-        torch.randn(6, 6, dtype=torch.float64), torch.zeros(6, 6, dtype=torch.float64), F.mse_loss
-    )
-    after_step = torch.rand(3)
-    torch.manual_seed(11)
-    torch.randn(6, 6, dtype=torch.float64)
-    draw_step_seed()
-    assert torch.equal(after_step, torch.rand(3))
+def test_one_layer_object_at_two_positions_draws_two_streams() -> None:
+    """Streams follow positions: ``act`` in ``Sequential(l1, act, l2, act)`` draws twice."""
+    dropout = nn.Dropout(0.5)
+    x = torch.ones(4, 8, dtype=torch.float64)
+    torch.manual_seed(1)
+    seed = draw_step_seed()
+    with layer_stream(seed, 1, 0):
+        first = dropout(x)
+    with layer_stream(seed, 3, 0):
+        second = dropout(x)
+    with layer_stream(seed, 1, 0):
+        again = dropout(x)
+    assert torch.equal(first, again) and not torch.equal(first, second)
 
 
-def test_stream_seeds_differ_per_stage_and_microbatch() -> None:
-    seeds = {stream_seed(123, stage, mb) for stage in range(8) for mb in range(64)}
-    assert len(seeds) == 8 * 64
+class _DrawsOutsideTorchOps(nn.Module):
+    """A layer whose random draw bypasses torch's random ops, as a custom kernel's would."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * _custom_noise(x.detach())
+
+
+@torch.library.custom_op("gpipe_test::noise", mutates_args=())
+def _custom_noise(x: torch.Tensor) -> torch.Tensor:
+    # NOTE: an op with no generator argument, drawing from the default generator inside.
+    return torch.rand(x.shape, dtype=x.dtype) + 0.5
+
+
+@_custom_noise.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+def _custom_grads(balance: list[int], checkpoint: str, kind: str) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), _DrawsOutsideTorchOps(), nn.Linear(8, 8)).double()
+    pipe = GPipe(model, balance, chunks=2, checkpoint=checkpoint)
+    grads = _pipe_step(pipe, model)[1]
+    assert pipe._stages.streams.kind(1, True) == kind
+    return grads
+
+
+def test_draws_that_bypass_routing_are_held_seeded_and_replayed() -> None:
+    with pytest.warns(RuntimeWarning, match="bypass torch's random ops"):
+        never = _custom_grads([1, 1, 1], "never", "held")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        always = _custom_grads([1, 1, 1], "always", "held")
+        other_layout = _custom_grads([2, 1], "except_last", "held")
+        owned = _custom_grads([3], "always", "seeded")  # one worker owns the CPU generator
+    assert all(torch.equal(a, b) for a, b in zip(never, always))
+    assert_close(other_layout, never)
+    assert_close(owned, never)
+
+
+def test_native_dropout_is_routed_like_the_cpu_kernel() -> None:
+    x = torch.randn(64, dtype=torch.float64)
+    with layer_stream(5, 0, 0):
+        out, mask = torch.native_dropout(x, 0.3, True)
+    torch.manual_seed(stream_seed(5, 0, 0))
+    expected, expected_mask = torch.native_dropout(x, 0.3, True)
+    assert torch.equal(mask, expected_mask) and torch.equal(out, expected)
+
+
+def test_stages_that_draw_overlap_in_time() -> None:
+    """No lock: while one stage draws its masks, another stage draws its own."""
+    model = nn.Sequential(*[nn.Sequential(SleepLayer(30, 10), nn.Dropout(0.1)) for _ in range(2)])
+    pipe = GPipe(model, [1, 1], chunks=4, checkpoint="never")
+    x = torch.randn(8, 4)
+    pipe.train_step(x, torch.randn(8, 4), F.mse_loss)  # learns which layers draw
+    pipe.train_step(x, torch.randn(8, 4), F.mse_loss)
+    forwards = [
+        [(e.start, e.end) for e in device if e.action.kind == "F"]
+        for device in pipe.timeline.events
+    ]
+    overlapping = [(a, b) for a in forwards[0] for b in forwards[1] if a[0] < b[1] and b[0] < a[1]]
+    assert overlapping, f"stage forwards never overlapped: {forwards}"
+    assert pipe._stages.streams.kind(0, True) == "routed"
+
+
+def test_stream_seeds_are_stable_and_distinct_per_key_and_microbatch() -> None:
+    assert stream_seed(123, 0, 0) == stream_seed(123, 0, 0)
+    assert stream_seed(123, 0, 0) == 8333528867011618734  # every process, every version
+    seeds = {
+        stream_seed(123, key, mb) for key in [*range(8), "0", "a.b", LOSS_KEY] for mb in range(64)
+    }
+    assert len(seeds) == 11 * 64
     assert all(0 <= s < 2**63 for s in seeds)
+    with pytest.raises(TypeError, match="int position or a str name"):
+        stream_seed(123, 1.5, 0)  # type: ignore[arg-type]

@@ -33,7 +33,7 @@ from gpipe.runtime.caller import PipelineBackward, backward_into_input, to_stage
 from gpipe.runtime.devices import as_devices
 from gpipe.runtime.mailbox import LocalTransport
 from gpipe.runtime.stages import Stages
-from gpipe.runtime.state import Loss, StepState, caller_autocast
+from gpipe.runtime.state import Loss, StepState
 from gpipe.runtime.step import Step
 from gpipe.runtime.transport import ACTIVATION
 from gpipe.schedule import BACKWARD, FORWARD, Schedule, make_schedule, validate
@@ -550,7 +550,6 @@ class GPipe(nn.Module):
             loss=loss,
             split_backward=schedule.split_backward,
             track_memory=self.track_memory,
-            autocast=caller_autocast(self.devices),
         )
         step = Step(self._stages, self._transport, state)
         self._last = step

@@ -9,6 +9,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from gpipe.randomness import Streams
+
 __all__ = ["Stages"]
 
 
@@ -31,12 +33,16 @@ class Stages:
     # input. Learned from the first forward, which runs on a copy to be safe (see
     # StageWorker.forward).
     copies_input: dict[tuple[int, bool], bool] = field(default_factory=dict)
-    # Whether a stage's forward draws random numbers, per (stage, training mode); learned
-    # from the first forward, which runs seeded and probed to be safe.
-    draws_random: dict[tuple[int, bool], bool] = field(default_factory=dict)
+    # How each layer draws random numbers (per layer key and training mode), learned as the
+    # layers run: which run on their own random stream (see gpipe.randomness).
+    streams: Streams = field(init=False)
     # Bytes a forward keeps for backward, per stage, training mode, input and target shapes
     # and autocast: counted once per key (see StageWorker._forward_kept).
     saved_bytes: dict[tuple[Any, ...], int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        held = {self.placement[s] for s, module in enumerate(self.modules) if module is not None}
+        self.streams = Streams({d: self.devices[d] for d in sorted(held)})
 
     @property
     def count(self) -> int:

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from gpipe.analysis import Event
+from gpipe.runtime.context import CallerContext
 from gpipe.runtime.split_backward import WeightGradient
 
 __all__ = ["Loss", "Saved", "StepState"]
@@ -57,8 +58,11 @@ class StepState:
     loss: Loss | None = None
     split_backward: bool = False
     track_memory: bool = True
-    # The caller's autocast, which worker threads do not inherit: (device type, dtype).
-    autocast: list[tuple[str, torch.dtype]] = field(default_factory=list)
+    # The caller's thread-local state (autocast, modes, hooks...) for the run under way,
+    # and for the run that did the forwards: a recomputation runs under the latter's
+    # autocast, as torch.utils.checkpoint does. Captured by Step.run.
+    context: CallerContext | None = None
+    forward_context: CallerContext | None = None
     saved: dict[tuple[int, int], Saved] = field(default_factory=dict)
     losses: list[torch.Tensor | None] = field(default_factory=list)
     events: list[list[Event]] = field(default_factory=list)
@@ -69,12 +73,3 @@ class StepState:
     def __post_init__(self) -> None:
         self.losses = [None] * self.microbatches
         self.events = [[] for _ in range(self.devices)]
-
-
-def caller_autocast(devices: list[torch.device]) -> list[tuple[str, torch.dtype]]:
-    """The autocast the calling thread has on, per device type the pipe uses."""
-    return [
-        (kind, torch.get_autocast_dtype(kind))
-        for kind in sorted({d.type for d in devices} | {"cpu"})
-        if torch.is_autocast_enabled(kind)
-    ]

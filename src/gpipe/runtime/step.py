@@ -6,6 +6,7 @@ import threading
 from collections.abc import Sequence
 
 from gpipe.analysis import Timeline
+from gpipe.runtime.context import CallerContext
 from gpipe.runtime.stages import Stages
 from gpipe.runtime.state import StepState
 from gpipe.runtime.transport import Aborted, Transport
@@ -45,16 +46,22 @@ class Step:
         """Run each device's action list concurrently; re-raise the first failure.
 
         The first device with actions runs on the calling thread and every other device on
-        a thread of its own. NOTE: keeping one device on the caller means a one-stage pipe
-        (and a rank of a distributed pipe) starts no thread at all, and the caller's
-        intra-op (OpenMP) thread team keeps doing the work: a second team in another thread
-        competes with it for the cores and was measured 2x slower.
+        a thread of its own, under the calling thread's state (autocast, modes, saved-tensor
+        hooks: see :class:`~gpipe.runtime.context.CallerContext`), captured here. NOTE:
+        keeping one device on the caller means a one-stage pipe (and a rank of a distributed
+        pipe) starts no thread at all, and the caller's intra-op (OpenMP) thread team keeps
+        doing the work: a second team in another thread competes with it for the cores and
+        was measured 2x slower.
 
         Raises:
             Exception: the first exception any stage raised, its message naming the stage,
                 micro-batch and action. The other workers are woken and end; none stays
                 blocked.
         """
+        devices = self.stages.devices
+        self.state.context = CallerContext.capture(device.type for device in devices)
+        if self.state.forward_context is None:
+            self.state.forward_context = self.state.context
         busy = [d for d in range(len(actions)) if actions[d]]
         threads = [
             threading.Thread(

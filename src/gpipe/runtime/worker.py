@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -12,7 +13,8 @@ import torch
 from gpipe.analysis import Event
 from gpipe.batchnorm import recomputing
 from gpipe.checkpoint import checkpointed
-from gpipe.randomness import RandomProbe, seeded, stream_seed
+from gpipe.partition import Partition
+from gpipe.randomness import LOSS_KEY
 from gpipe.runtime.saved import SavedBytes, gradient_bytes, storage_keys, tensor_bytes
 from gpipe.runtime.split_backward import backward_input, backward_weight
 from gpipe.runtime.stages import Stages
@@ -36,6 +38,28 @@ def _kept_bytes(inputs: Any) -> int:
     counter = SavedBytes()
     counter.keep(inputs)
     return counter.nbytes
+
+
+def _chained(counter: SavedBytes) -> tuple[Callable[[Any], Any], Callable[[Any], Any]]:
+    """The counter's saved-tensor hooks, handing each tensor on to the caller's own hooks.
+
+    NOTE: hooks do not stack, so the counter's would replace the caller's (``save_on_cpu``).
+    And compiled code calls the hooks too: Dynamo would compile them as frames of their own,
+    so it is told to leave them alone, once it is loaded (importing it takes seconds, and
+    nothing is compiled before).
+    """
+    pack: Callable[[Any], Any] = counter.pack
+    unpack: Callable[[Any], Any] = counter.unpack
+    outer = torch._C._autograd._top_saved_tensors_default_hooks(True)
+    if outer is not None:
+        outer_pack, unpack = outer
+
+        def pack(tensor: torch.Tensor) -> Any:
+            return outer_pack(counter.pack(tensor))
+
+    if "torch._dynamo" in sys.modules:
+        pack, unpack = torch.compiler.disable(pack), torch.compiler.disable(unpack)
+    return pack, unpack
 
 
 def _for_next_stage(value: Any) -> Any:
@@ -108,6 +132,7 @@ class StageWorker:
         self.held = 0  # bytes this device holds for backward right now
         self._params: dict[int, set[int]] = {}
         self._trainables: dict[int, list[torch.Tensor]] = {}
+        self._redone = False  # whether the last _run redid its forward (see _run)
 
     def run(self, actions: Sequence[Action]) -> None:
         perform = {FORWARD: self.forward, BACKWARD: self.backward}
@@ -116,7 +141,8 @@ class StageWorker:
             if self.torch_device.type == "cuda"
             else contextlib.nullcontext()
         )
-        with on_device:
+        context = self.state.context
+        with on_device, context.entered() if context else contextlib.nullcontext():
             for action in actions:
                 if self.state.failed:
                     raise Aborted
@@ -145,20 +171,21 @@ class StageWorker:
             with torch.set_grad_enabled(step.grad):  # the copy joins the graph to the input
                 given = _copy(inputs)
         before = _versions(given)
+        source = inputs if copied else None
         if not step.grad:
             with torch.no_grad():
-                output, _ = self._run(stage, mb, given)
+                output, _ = self._run(stage, mb, given, source)
             self._learn_writes(key, before, given, copied, harmless=True)
             self.transport.send((ACTIVATION, stage + 1, mb), output)
             self._record(action, start)
             return
         if checkpointed(step.checkpoint, mb, step.microbatches):
             with torch.no_grad():
-                output, root = self._run(stage, mb, given)
+                output, root = self._run(stage, mb, given, source)
             kept = _kept_bytes(inputs) if step.track_memory else 0
             saved = Saved(inputs, None, kept)
         else:
-            output, root, kept = self._forward_kept(stage, mb, given)
+            output, root, kept = self._forward_kept(stage, mb, given, source)
             saved = Saved(inputs, output if root is None else root, kept)
         self._learn_writes(key, before, given, copied, harmless=False)
         step.saved[stage, mb] = saved
@@ -174,14 +201,16 @@ class StageWorker:
         grads = None if has_loss else self.transport.recv((GRADIENT, stage, mb))
         start = time.perf_counter_ns()
         recomputed = 0  # bytes the recomputation keeps beyond the stashed input
-        if saved.outputs is None:  # re-materialize: same inputs, same random stream
+        if saved.outputs is None:  # re-materialize: same inputs, same random streams
             key = (stage, self.stages.module(stage).training)
-            given = saved.inputs
+            given, source = saved.inputs, None
             if self.stages.copies_input.get(key, True):
                 with torch.enable_grad():  # NOTE: a backward runs with grad mode off
-                    given = _copy(given)
-            with recomputing():
-                output, root, kept = self._forward_kept(stage, mb, given)
+                    given, source = _copy(given), saved.inputs
+            forward = step.forward_context  # recompute under the forward's autocast
+            autocast = forward.autocast_restored() if forward else contextlib.nullcontext()
+            with recomputing(), autocast:
+                output, root, kept = self._forward_kept(stage, mb, given, source)
             saved.outputs = output if root is None else root
             recomputed = kept - saved.nbytes
         if grads is None:
@@ -243,7 +272,9 @@ class StageWorker:
 
     # -- pieces ------------------------------------------------------------------------
 
-    def _forward_kept(self, stage: int, mb: int, inputs: Any) -> tuple[Any, Any, int]:
+    def _forward_kept(
+        self, stage: int, mb: int, inputs: Any, source: Any = None
+    ) -> tuple[Any, Any, int]:
         """The forward under autograd, and the bytes it keeps for backward (0 untracked).
 
         The bytes are counted exactly, by a hook on every tensor autograd saves, the first
@@ -257,20 +288,23 @@ class StageWorker:
         if step.track_memory:
             module = self.stages.module(stage)
             target = _shapes(self._target(stage, mb))
-            key = (stage, module.training, _shapes(inputs), target, *step.autocast)
+            autocast = step.forward_context.autocast_key if step.forward_context else ()
+            key = (stage, module.training, _shapes(inputs), target, *autocast)
             known = self.stages.saved_bytes.get(key)
         if known is not None:
+            self._redone = False
             with torch.enable_grad():
-                output, root = self._run(stage, mb, inputs)
+                output, root = self._run(stage, mb, inputs, source)
+            if self._redone:  # a layer began to draw (and save a mask): count afresh
+                del self.stages.saved_bytes[key]
             return output, root, known
         counter = SavedBytes(self._param_storages(stage), borrowed=self._target(stage, mb))
         counter.keep(inputs)
-        with (
-            torch.enable_grad(),
-            torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack),
-        ):
-            output, root = self._run(stage, mb, inputs)
-        self.stages.saved_bytes[key] = counter.nbytes
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(*_chained(counter)):
+            self._redone = False
+            output, root = self._run(stage, mb, inputs, source)
+        if not self._redone:  # a redone forward counted its first attempt too
+            self.stages.saved_bytes[key] = counter.nbytes
         return output, root, counter.nbytes
 
     def _target(self, stage: int, mb: int) -> Any:
@@ -280,41 +314,49 @@ class StageWorker:
             return None
         return loss.targets[mb]
 
-    def _run(self, stage: int, mb: int, inputs: Any) -> tuple[Any, torch.Tensor | None]:
+    def _run(
+        self, stage: int, mb: int, inputs: Any, source: Any = None
+    ) -> tuple[Any, torch.Tensor | None]:
         """The stage's forward, and on the last stage of train_step the weighted loss.
 
-        Runs on the (stage, micro-batch) random stream if the stage draws random numbers.
+        Each layer (and the loss) draws from its own (layer, micro-batch) random stream. If a
+        layer drew off its stream (it began to draw, or its draws bypass routing), the
+        forward is redone on the streams before anything leaves it, on a fresh copy of
+        ``source`` if ``inputs`` is a copy of it (the first attempt may have written into it).
         """
         step = self.state
         module = self.stages.module(stage)
+        assert isinstance(module, Partition)
         loss = step.loss if stage == self.stages.last else None
+        streams = self.stages.streams.forward(
+            [*module.positions, *([LOSS_KEY] if loss is not None else [])],
+            device=self.device,
+            training=module.training,
+            step_seed=step.seed,
+            microbatch=mb,
+            stage=stage,
+        )
 
-        def call() -> tuple[Any, torch.Tensor | None]:
-            if step.autocast:  # the caller's torch.autocast, which threads don't inherit
-                with contextlib.ExitStack() as stack:
-                    for device_type, dtype in step.autocast:
-                        stack.enter_context(torch.autocast(device_type, dtype=dtype))
-                    output = module(inputs)
-            else:
-                output = module(inputs)
+        def call(given: Any) -> tuple[Any, torch.Tensor | None]:
+            module.layer_scope = streams.layer_scope
+            try:
+                output = module(given)
+            finally:
+                module.layer_scope = None
             if loss is None:
                 return output, None
-            value = loss.fn(output, loss.targets[mb])
+            with streams.scope(LOSS_KEY):
+                value = loss.fn(output, loss.targets[mb])
             step.losses[mb] = value.detach()
             return output, value * loss.weights[mb]
 
-        key = (stage, module.training)
-        draws = self.stages.draws_random.get(key)
-        if draws is False:
-            return call()
-        with seeded(self.torch_device, stream_seed(step.seed, stage, mb)):
-            if draws:
-                return call()
-            probe = RandomProbe()
-            with probe:
-                result = call()
-            self.stages.draws_random[key] = probe.found
-            return result
+        with streams.attempt():
+            result = call(inputs)
+        while not streams.settled():
+            self._redone = True
+            with recomputing(), streams.attempt():  # NOTE: batch statistics count once
+                result = call(inputs if source is None else _copy(source))
+        return result
 
     def _learn_writes(
         self, key: tuple[int, bool], before: Any, given: Any, copied: bool, harmless: bool

@@ -1,0 +1,129 @@
+"""The devices' default generators: those a worker may seed as its own, and watching them.
+
+Random ops without an explicit generator draw from their device's default generator. A
+worker that is the only one in its process to use a generator (a GPU's, or the CPU's in a
+one-device pipe or a one-stage process) may simply seed it for each layer that draws and
+restore it afterwards: exact, and free per op. A generator that several workers use at once
+(the CPU's, shared by every "cpu" stage of a local pipe) must never be reseeded under another
+worker's feet: ops on it are handed a private generator instead (see ``routing``), and only
+draws that cannot be handed one hold it, seeded, under a lock.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, ExitStack, contextmanager
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["WorkerGenerators", "generator_name", "held_seeded"]
+
+_locks: dict[str, threading.Lock] = {}
+_locks_guard = threading.Lock()
+
+
+def generator_name(device: torch.device) -> str | None:
+    """The name of ``device``'s default generator ("cpu", "cuda:1"), None if not handled."""
+    if device.type == "cpu":
+        return "cpu"
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return f"cuda:{index}"
+    return None
+
+
+def _generator(name: str) -> torch.Generator:
+    if name == "cpu":
+        return torch.default_generator
+    return torch.cuda.default_generators[int(name.split(":")[1])]
+
+
+def _lock(name: str) -> threading.Lock:
+    with _locks_guard:
+        return _locks.setdefault(name, threading.Lock())
+
+
+Named = tuple[tuple[str, torch.Generator], ...]
+
+
+@contextmanager
+def _seeded(generators: Named, seed: int) -> Iterator[None]:
+    states = [generator.get_state() for _, generator in generators]
+    for _, generator in generators:
+        generator.manual_seed(seed)
+    try:
+        yield
+    finally:
+        for (_, generator), state in zip(generators, states):
+            generator.set_state(state)
+
+
+@contextmanager
+def _holding(generators: Named) -> Iterator[None]:
+    with ExitStack() as stack:
+        for name, _ in generators:  # NOTE: always in name order, so no two workers deadlock
+            stack.enter_context(_lock(name))
+        yield
+
+
+@contextmanager
+def held_seeded(names: tuple[str, ...], seed: int) -> Iterator[None]:
+    """Hold the named default generators, seeded with ``seed``; restore and release them.
+
+    The fallback for draws that bypass routing. NOTE: held for one op, or one layer whose
+    draws bypass routing, never across a stage's forward.
+    """
+    generators = tuple((name, _generator(name)) for name in sorted(names))
+    with _holding(generators), _seeded(generators, seed):
+        yield
+
+
+@dataclass(frozen=True)
+class WorkerGenerators:
+    """The default generators one worker's layers draw from, split by who else uses them.
+
+    Args:
+        own: generators no other worker of this process uses: seeded per layer, no lock.
+        shared: generators other workers use at the same time.
+    """
+
+    own: Named
+    shared: Named
+
+    @classmethod
+    def of(cls, device: torch.device, devices: list[torch.device]) -> WorkerGenerators:
+        """The generators of the worker on ``device``, among workers on ``devices``.
+
+        Every worker may draw on the CPU, so the CPU generator is its own only when it is
+        the only worker; a GPU's generator is its own unless another worker runs there too.
+        """
+        names = {"cpu": len(devices)}
+        name = generator_name(device)
+        if name is not None and name != "cpu":
+            names[name] = sum(generator_name(d) == name for d in devices)
+        own = tuple((n, _generator(n)) for n in sorted(names) if names[n] == 1)
+        shared = tuple((n, _generator(n)) for n in sorted(names) if names[n] > 1)
+        return cls(own, shared)
+
+    @property
+    def own_names(self) -> frozenset[str]:
+        return frozenset(name for name, _ in self.own)
+
+    def seeded_own(self, seed: int) -> AbstractContextManager[None]:
+        """Seed this worker's own generators with ``seed``; restore them on exit."""
+        return _seeded(self.own, seed)
+
+    def seeded_shared(self, seed: int) -> AbstractContextManager[None]:
+        """Hold the shared generators, seeded with ``seed`` (see :func:`held_seeded`)."""
+        return held_seeded(tuple(name for name, _ in self.shared), seed)
+
+    def read(self) -> tuple[list[bytes], list[bytes]]:
+        """The states of the own and the shared generators, to compare later."""
+        own = [generator.get_state().numpy().tobytes() for _, generator in self.own]
+        # NOTE: shared ones are read under their locks, so a generator another worker
+        # holds seeded (and restores) is never seen half-way.
+        with _holding(self.shared):
+            shared = [generator.get_state().numpy().tobytes() for _, generator in self.shared]
+        return own, shared

@@ -1,0 +1,203 @@
+"""Streams: how each layer draws random numbers, learned as it runs, and the scope it runs in.
+
+A layer runs, for each micro-batch, in one of four ways, learned by probing it:
+
+    plain    it draws nothing: it runs as it is (the stage is watched, see below)
+    seeded   it draws only on generators its worker owns: those are seeded from its
+             stream around the call and restored after (free per op)
+    routed   it draws on a generator other workers share: a dispatch mode hands its
+             random ops the stream's private generator (about 10 µs per op)
+    held     some of its draws bypass routing (a custom kernel reading the default
+             generator): it also holds the shared generators, seeded, under a lock
+
+A layer is probed the first time it runs (per training mode): it runs routed with its own
+generators seeded, and what moved tells its kind. Afterwards the default generators are
+compared before and after each stage forward, so a layer that starts drawing (a dropout
+probability raised from 0) is caught and probed, and the forward redone on the streams
+before anything leaves it. So a recomputation always replays what its forward drew.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
+from typing import Any
+
+import torch
+
+from gpipe.randomness.generators import WorkerGenerators
+from gpipe.randomness.routing import Routing
+from gpipe.randomness.seeds import LOSS_KEY, LayerKey, stream_seed
+
+__all__ = ["StageForward", "Streams"]
+
+PLAIN, SEEDED, ROUTED, HELD = "plain", "seeded", "routed", "held"
+
+# Attempts at one stage forward: the first; one probing every layer after a generator moved;
+# one holding the layers found to bypass routing; one spare.
+_MAX_ATTEMPTS = 4
+
+LayerScope = Callable[[LayerKey], AbstractContextManager[Any]]
+
+
+class Streams:
+    """How each layer of a pipe draws random numbers, kept from step to step.
+
+    Args:
+        devices: the devices this process runs workers for, by pipeline device index.
+    """
+
+    def __init__(self, devices: dict[int, torch.device]) -> None:
+        listed = list(devices.values())
+        self._generators = {i: WorkerGenerators.of(d, listed) for i, d in devices.items()}
+        self._kinds: dict[tuple[LayerKey, bool], str] = {}
+        self._warned: set[Any] = set()
+
+    def kind(self, key: LayerKey, training: bool) -> str | None:
+        """How layer ``key`` draws: "plain", "seeded", "routed", "held"; None: not yet run."""
+        return self._kinds.get((key, training))
+
+    def forward(
+        self,
+        keys: list[LayerKey],
+        *,
+        device: int,
+        training: bool,
+        step_seed: int,
+        microbatch: int,
+        stage: int,
+    ) -> StageForward:
+        """The streams of one stage forward of one micro-batch on pipeline device ``device``."""
+        return StageForward(
+            self, self._generators[device], keys, training, step_seed, microbatch, stage
+        )
+
+    def _learn(self, key: LayerKey, training: bool, kind: str, stage: int) -> None:
+        self._kinds[key, training] = kind
+        if kind == HELD and ("held", key) not in self._warned:
+            self._warned.add(("held", key))
+            what = "the loss" if key == LOSS_KEY else f"layer {key!r}"
+            warnings.warn(
+                f"{what} (stage {stage}) draws random numbers that bypass torch's random ops "
+                "(a custom kernel reading the default generator?) on a generator other "
+                "stages share, so gpipe cannot hand it a generator of its own; it now runs "
+                "holding that generator seeded from its stream, which serializes it with "
+                "other such layers",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+
+    def _warn_moving(self, stage: int) -> None:
+        if ("moving", stage) not in self._warned:
+            self._warned.add(("moving", stage))
+            warnings.warn(
+                f"torch's default generator keeps moving while stage {stage} runs, though its "
+                "layers were probed: another thread is drawing random numbers from it; gpipe "
+                "re-runs the stage to check each time this happens",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+
+
+class StageForward:
+    """The random streams of one stage forward of one micro-batch, attempt by attempt.
+
+    Run each attempt inside :meth:`attempt`, with :attr:`layer_scope` as the partition's
+    layer scope and :meth:`scope` around anything else keyed (the loss); then
+    :meth:`settled` says whether its output stands or the forward must be redone.
+    """
+
+    def __init__(
+        self,
+        streams: Streams,
+        generators: WorkerGenerators,
+        keys: list[LayerKey],
+        training: bool,
+        step_seed: int,
+        microbatch: int,
+        stage: int,
+    ) -> None:
+        self._streams = streams
+        self._generators = generators
+        self._keys = keys
+        self._training = training
+        self._step_seed = step_seed
+        self._microbatch = microbatch
+        self._stage = stage
+        self._probe_all = False
+        self._must_redo = False
+        self._before: tuple[list[bytes], list[bytes]] | None = None
+        self._attempts = 0
+
+    def _kind(self, key: LayerKey) -> str | None:
+        kind = self._streams.kind(key, self._training)
+        return kind if kind == HELD or not self._probe_all else None
+
+    @property
+    def layer_scope(self) -> LayerScope | None:
+        """What runs around each layer call; None when every layer runs as it is."""
+        if all(self._kind(key) == PLAIN for key in self._keys):
+            return None
+        return self.scope
+
+    def scope(self, key: LayerKey) -> AbstractContextManager[Any]:
+        """The context layer ``key`` runs in for this micro-batch."""
+        kind = self._kind(key)
+        if kind == PLAIN:
+            return nullcontext()
+        seed = stream_seed(self._step_seed, key, self._microbatch)
+        if kind == SEEDED:
+            return self._generators.seeded_own(seed)
+        if kind is None:
+            return self._probe(key, seed)
+        return self._routed(seed, held=kind == HELD)
+
+    @contextmanager
+    def _routed(self, seed: int, *, held: bool) -> Iterator[None]:
+        with ExitStack() as stack:
+            stack.enter_context(self._generators.seeded_own(seed))
+            if held:
+                stack.enter_context(self._generators.seeded_shared(seed))
+            stack.enter_context(Routing(seed, self._generators.own_names).active())
+            yield
+
+    @contextmanager
+    def _probe(self, key: LayerKey, seed: int) -> Iterator[None]:
+        with self._generators.seeded_own(seed):
+            own, shared = self._generators.read()
+            with Routing(seed, self._generators.own_names).active() as routing:
+                yield
+            own_after, shared_after = self._generators.read()
+        if shared_after != shared:  # drew on a shared generator, unrouted: redo it held
+            kind = HELD
+            self._must_redo = True
+        elif routing.drew:
+            kind = ROUTED
+        else:
+            kind = SEEDED if own_after != own else PLAIN
+        self._streams._learn(key, self._training, kind, self._stage)
+
+    @contextmanager
+    def attempt(self) -> Iterator[None]:
+        """Run one attempt at the forward, watching the default generators around it."""
+        self._must_redo = False
+        # NOTE: when every layer is probed, each probe watches its own layer.
+        self._before = None if self._probe_all else self._generators.read()
+        yield
+
+    def settled(self) -> bool:
+        """After an attempt: True if its output stands; False to redo it.
+
+        A redo follows a layer found to draw off its stream: one drawing unrouted (the next
+        attempt probes every layer), or one bypassing routing (the next one holds it).
+        """
+        self._attempts += 1
+        redo = self._must_redo
+        self._probe_all = False
+        if self._before is not None and self._generators.read() != self._before:
+            self._probe_all = redo = True
+        if redo and self._attempts >= _MAX_ATTEMPTS:
+            self._streams._warn_moving(self._stage)
+            return True
+        return not redo

@@ -1,0 +1,126 @@
+"""The caller's thread-local state, carried into every worker thread of a step.
+
+PyTorch keeps per thread what changes the meaning of ops: grad mode, inference mode, autocast,
+the default saved-tensor hooks (``save_on_cpu``...), and the stacks of dispatch modes
+(``FlopCounterMode``, user modes) and function modes (``torch.device(...)`` as a context,
+``set_default_device``). A new thread starts without any of them, so a stage running on a
+worker thread would silently run outside the caller's ``torch.autocast`` or
+``FlopCounterMode``. The autograd engine meets the same problem for its device threads and
+carries a snapshot of that state (``at::ThreadLocalState``) into them; a step does the same:
+it captures the state once per run on the calling thread and re-enters it in each other
+worker thread around that thread's actions, user modes outermost, as in the caller.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.overrides import _get_current_function_mode_stack
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+__all__ = ["CallerContext"]
+
+Autocast = tuple[tuple[str, bool, torch.dtype], ...]
+
+
+@dataclass(frozen=True)
+class CallerContext:
+    """A snapshot of one thread's state that changes what ops do.
+
+    Args:
+        thread: the ident of the thread it was captured on (which needs no re-entering).
+        grad: grad mode.
+        inference: inference mode.
+        autocast: per device type: (device type, enabled, dtype).
+        autocast_cache: whether autocast caches its casts of the weights.
+        saved_tensors_hooks: the innermost default (pack, unpack) hooks, or None.
+        hooks_disabled: the message ``disable_saved_tensors_hooks`` raises with, or None.
+        dispatch_modes: the dispatch mode stack, outermost first.
+        function_modes: the function mode stack, outermost first.
+    """
+
+    thread: int
+    grad: bool
+    inference: bool
+    autocast: Autocast
+    autocast_cache: bool
+    saved_tensors_hooks: tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]] | None
+    hooks_disabled: str | None
+    dispatch_modes: tuple[Any, ...]
+    function_modes: tuple[Any, ...]
+
+    @classmethod
+    def capture(cls, device_types: Iterable[str]) -> CallerContext:
+        """The calling thread's state, with autocast read for ``device_types`` and "cpu"."""
+        kinds = sorted(set(device_types) | {"cpu"})
+        return cls(
+            thread=threading.get_ident(),
+            grad=torch.is_grad_enabled(),
+            inference=torch.is_inference_mode_enabled(),
+            autocast=tuple(
+                (kind, torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind))
+                for kind in kinds
+            ),
+            autocast_cache=torch.is_autocast_cache_enabled(),
+            saved_tensors_hooks=torch._C._autograd._top_saved_tensors_default_hooks(True),
+            hooks_disabled=torch._C._autograd._saved_tensors_hooks_get_disabled_error_message(),
+            dispatch_modes=tuple(_get_current_dispatch_mode_stack()),
+            function_modes=tuple(_get_current_function_mode_stack()),
+        )
+
+    @property
+    def autocast_key(self) -> tuple[tuple[str, torch.dtype], ...]:
+        """The autocast that is on, per device type: what changes a forward's saved bytes."""
+        return tuple((kind, dtype) for kind, enabled, dtype in self.autocast if enabled)
+
+    @contextmanager
+    def entered(self) -> Iterator[None]:
+        """Run the body under this state; on the thread it was captured on, as it is."""
+        if threading.get_ident() == self.thread:
+            yield
+            return
+        with ExitStack() as stack:
+            stack.enter_context(torch.set_grad_enabled(self.grad))
+            if self.inference:
+                stack.enter_context(torch.inference_mode())
+            for kind, enabled, dtype in self.autocast:
+                if enabled:
+                    stack.enter_context(
+                        torch.autocast(kind, dtype=dtype, cache_enabled=self.autocast_cache)
+                    )
+            if self.hooks_disabled is not None:
+                stack.enter_context(
+                    torch.autograd.graph.disable_saved_tensors_hooks(self.hooks_disabled)
+                )
+            elif self.saved_tensors_hooks is not None:
+                stack.enter_context(
+                    torch.autograd.graph.saved_tensors_hooks(*self.saved_tensors_hooks)
+                )
+            # NOTE: modes are pushed as they are, not entered: entering would run their
+            # __enter__ again (FlopCounterMode's resets its counts).
+            for function_mode in self.function_modes:
+                torch._C._push_on_torch_function_stack(function_mode)
+                stack.callback(torch._C._pop_torch_function_stack)
+            for dispatch_mode in self.dispatch_modes:
+                torch._C._push_on_torch_dispatch_stack(dispatch_mode)
+                stack.callback(torch._C._pop_torch_dispatch_stack, None)
+            yield
+
+    @contextmanager
+    def autocast_restored(self) -> Iterator[None]:
+        """Run the body under this snapshot's autocast (a recomputation under the forward's)."""
+        with ExitStack() as stack:
+            for kind, enabled, dtype in self.autocast:
+                now = torch.is_autocast_enabled(kind)
+                if now != enabled or (enabled and torch.get_autocast_dtype(kind) != dtype):
+                    stack.enter_context(
+                        torch.autocast(
+                            kind, dtype=dtype, enabled=enabled, cache_enabled=self.autocast_cache
+                        )
+                    )
+            yield
