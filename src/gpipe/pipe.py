@@ -159,6 +159,7 @@ class GPipe(nn.Module):
         output_batch_dims: BatchDims = 0,
     ) -> None:
         super().__init__()
+        _refuse_compiled_whole(module)
         if not isinstance(module, nn.Sequential):
             raise TypeError(
                 f"GPipe takes an nn.Sequential, got {type(module).__name__}; wrap your layers "
@@ -585,6 +586,19 @@ class GPipe(nn.Module):
                         f"on {device}: the pipe owns device placement, so don't move its "
                         "layers after wrapping; pass devices=[...] to GPipe instead"
                     )
+
+
+def _refuse_compiled_whole(module: Any) -> None:
+    """A compiled whole model would never be called (the pipe calls its layers): say so."""
+    fix = (
+        "compile the layers instead: `for layer in model: layer.compile()` (or "
+        "nn.Sequential(*(torch.compile(layer) for layer in layers))), then GPipe(model, ...)"
+    )
+    why = "the pipe calls the model's layers stage by stage, never the compiled whole"
+    if isinstance(module, torch._dynamo.eval_frame.OptimizedModule):
+        raise TypeError(f"GPipe got torch.compile(model): {why}; {fix}")
+    if getattr(module, "_compiled_call_impl", None) is not None:
+        raise ValueError(f"GPipe got model.compile(): {why}, so nothing would compile; {fix}")
 
 
 def _on(value: Any, device: torch.device) -> Any:
