@@ -210,8 +210,8 @@ def dropout_step(
 def test_dropout_gradients_equal_gpipe_with_the_same_seed(
     schedule: str, v: int, checkpoint: str, k: int, m: int, n: int
 ) -> None:
-    # GPipe over the same K·v model stages, one per device: masks follow (stage, micro-batch),
-    # so only the order in which gradients accumulate may differ.
+    # GPipe over the same layers, one stage per device: masks follow (layer, micro-batch), so
+    # only the order in which gradients accumulate may differ.
     expected_loss, expected = dropout_step("gpipe", 1, k * v, m, "never", n, seed=7)
     loss, got = dropout_step(schedule, v, k, m, checkpoint, n, seed=7)
     assert_close(loss, expected_loss)

@@ -37,8 +37,11 @@ def _route_of(func: Any) -> _Route | None:
     """How a random op is given the stream's generator (None: it draws nothing), cached."""
     if func in _ROUTES:
         return _ROUTES[func]
-    schema = func._schema
     route: _Route | None = None
+    if not isinstance(func, torch._ops.OpOverload):  # a higher-order op: its body's ops come
+        _ROUTES[func] = None  # through here one by one
+        return None
+    schema = func._schema
     if any(arg.name == "generator" for arg in schema.arguments):
         route = _pass_generator(schema)
     elif torch.Tag.nondeterministic_seeded in func.tags:
@@ -129,6 +132,8 @@ class Routing(TorchDispatchMode):
         self.drew = False
         self._own = own
         self._private: dict[torch.device, torch.Generator] = {}
+
+    supports_higher_order_operators = True
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
