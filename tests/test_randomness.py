@@ -220,27 +220,40 @@ def test_one_layer_object_at_two_positions_draws_two_streams() -> None:
 
 
 class _DrawsOutsideTorchOps(nn.Module):
-    """A layer whose random draw bypasses torch's random ops, as a custom kernel's would."""
+    """Draws as custom kernels do: one op tagged random but taking no generator (routing
+    runs it holding the default generator seeded), one not even tagged (it bypasses routing:
+    the layer is then held)."""
+
+    def __init__(self, untagged: bool = True) -> None:
+        super().__init__()
+        self.untagged = untagged
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * _custom_noise(x.detach())
+        noise = _tagged_noise(x.detach())
+        if self.untagged:
+            noise = noise * _untagged_noise(x.detach())
+        return x * noise
 
 
-@torch.library.custom_op("gpipe_test::noise", mutates_args=())
-def _custom_noise(x: torch.Tensor) -> torch.Tensor:
-    # NOTE: an op with no generator argument, drawing from the default generator inside.
+# NOTE: ops with no generator argument, drawing from the default generator inside.
+@torch.library.custom_op("gpipe_test::untagged_noise", mutates_args=())
+def _untagged_noise(x: torch.Tensor) -> torch.Tensor:
     return torch.rand(x.shape, dtype=x.dtype) + 0.5
 
 
-@_custom_noise.register_fake
-def _(x: torch.Tensor) -> torch.Tensor:
-    return torch.empty_like(x)
+@torch.library.custom_op(
+    "gpipe_test::tagged_noise", mutates_args=(), tags=(torch.Tag.nondeterministic_seeded,)
+)
+def _tagged_noise(x: torch.Tensor) -> torch.Tensor:
+    return torch.rand(x.shape, dtype=x.dtype) + 0.5
 
 
-def _custom_grads(balance: list[int], checkpoint: str, kind: str) -> list[torch.Tensor]:
+def _custom_grads(
+    balance: list[int], checkpoint: str, kind: str, untagged: bool = True
+) -> list[torch.Tensor]:
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 8), _DrawsOutsideTorchOps(), nn.Linear(8, 8)).double()
-    pipe = GPipe(model, balance, chunks=2, checkpoint=checkpoint)
+    model = nn.Sequential(nn.Linear(8, 8), _DrawsOutsideTorchOps(untagged), nn.Linear(8, 8))
+    pipe = GPipe(model.double(), balance, chunks=2, checkpoint=checkpoint)
     grads = _pipe_step(pipe, model)[1]
     assert pipe._stages.streams.kind(1, True) == kind
     return grads
@@ -259,13 +272,27 @@ def test_draws_that_bypass_routing_are_held_seeded_and_replayed() -> None:
     assert_close(owned, never)
 
 
-def test_native_dropout_is_routed_like_the_cpu_kernel() -> None:
+def test_random_ops_without_a_generator_argument_run_on_the_stream() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # routed: nothing bypassed
+        never = _custom_grads([1, 1, 1], "never", "routed", untagged=False)
+        always = _custom_grads([2, 1], "always", "routed", untagged=False)
+        owned = _custom_grads([3], "except_last", "seeded", untagged=False)
+    assert_close(always, never)
+    assert_close(owned, never)
+
+
+def test_a_random_op_without_generator_argument_draws_as_on_the_seeded_default() -> None:
     x = torch.randn(64, dtype=torch.float64)
+    before = torch.get_rng_state()
     with layer_stream(5, 0, 0):
-        out, mask = torch.native_dropout(x, 0.3, True)
+        out, mask = torch.native_dropout(x, 0.3, True)  # takes no generator
+        again = torch.nn.functional.dropout(x, 0.3)  # continues the same stream
+    assert torch.equal(torch.get_rng_state(), before)
     torch.manual_seed(stream_seed(5, 0, 0))
     expected, expected_mask = torch.native_dropout(x, 0.3, True)
     assert torch.equal(mask, expected_mask) and torch.equal(out, expected)
+    assert torch.equal(again, torch.nn.functional.dropout(x, 0.3))
 
 
 def test_stages_that_draw_overlap_in_time() -> None:

@@ -18,9 +18,10 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["WorkerGenerators", "generator_name", "held_seeded"]
+__all__ = ["WorkerGenerators", "generator_name", "lent"]
 
-_locks: dict[str, threading.Lock] = {}
+# NOTE: reentrant, since a held layer may run an op that also holds its generator.
+_locks: dict[str, threading.RLock] = {}
 _locks_guard = threading.Lock()
 
 
@@ -40,9 +41,11 @@ def _generator(name: str) -> torch.Generator:
     return torch.cuda.default_generators[int(name.split(":")[1])]
 
 
-def _lock(name: str) -> threading.Lock:
+def _lock(name: str) -> threading.RLock:
     with _locks_guard:
-        return _locks.setdefault(name, threading.Lock())
+        if name not in _locks:
+            _locks[name] = threading.RLock()
+        return _locks[name]
 
 
 Named = tuple[tuple[str, torch.Generator], ...]
@@ -69,15 +72,22 @@ def _holding(generators: Named) -> Iterator[None]:
 
 
 @contextmanager
-def held_seeded(names: tuple[str, ...], seed: int) -> Iterator[None]:
-    """Hold the named default generators, seeded with ``seed``; restore and release them.
+def lent(name: str, stream: torch.Generator) -> Iterator[None]:
+    """Lend ``stream``'s state to the default generator ``name`` for the body, under its lock.
 
-    The fallback for draws that bypass routing. NOTE: held for one op, or one layer whose
-    draws bypass routing, never across a stage's forward.
+    The body's draws from the default generator continue ``stream`` exactly (the state comes
+    back to it afterwards), and the default generator is restored. For random ops that take
+    no generator. NOTE: held for one op only, never across a stage's forward.
     """
-    generators = tuple((name, _generator(name)) for name in sorted(names))
-    with _holding(generators), _seeded(generators, seed):
-        yield
+    default = _generator(name)
+    with _lock(name):
+        saved = default.get_state()
+        default.set_state(stream.get_state())
+        try:
+            yield
+        finally:
+            stream.set_state(default.get_state())
+            default.set_state(saved)
 
 
 @dataclass(frozen=True)
@@ -115,9 +125,15 @@ class WorkerGenerators:
         """Seed this worker's own generators with ``seed``; restore them on exit."""
         return _seeded(self.own, seed)
 
-    def seeded_shared(self, seed: int) -> AbstractContextManager[None]:
-        """Hold the shared generators, seeded with ``seed`` (see :func:`held_seeded`)."""
-        return held_seeded(tuple(name for name, _ in self.shared), seed)
+    @contextmanager
+    def seeded_shared(self, seed: int) -> Iterator[None]:
+        """Hold the shared generators, seeded with ``seed``; restore and release them on exit.
+
+        For a layer whose draws bypass routing: for its duration, the shared generators are
+        its own. NOTE: held for that one layer call, never across a stage's forward.
+        """
+        with _holding(self.shared), _seeded(self.shared, seed):
+            yield
 
     def read(self) -> tuple[list[bytes], list[bytes]]:
         """The states of the own and the shared generators, to compare later."""

@@ -3,9 +3,10 @@
 Random aten ops take ``generator=`` (or have an overload that does: ``rand`` ->
 ``rand.generator``), so a dispatch mode can give each one the generator of the layer's
 stream, and the device's default generator, which other threads use at the same time, is
-never touched. The few random ops that take none are rewritten (``native_dropout``, CUDA's
-fused dropout, as ``bernoulli_``) or, last resort, run holding the device's default
-generator seeded from the stream.
+not touched. The few that take none (``native_dropout``, CUDA's fused dropout; fused
+attention) run with the stream lent to the default generator, under its lock, for that op.
+Either way an op draws what it would draw from the default generator seeded from the stream,
+so a layer draws the same numbers routed as on a generator its worker owns.
 
 NOTE: a Python dispatch mode costs about 10 µs per op run under it (measured by
 ``benchmarks/dropout.py``), random or not, so it is only active around layers that draw on a
@@ -22,12 +23,10 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from gpipe.randomness.generators import generator_name, held_seeded
+from gpipe.randomness.generators import generator_name, lent
 from gpipe.randomness.seeds import LayerKey, stream_seed
 
 __all__ = ["Routing", "layer_stream"]
-
-_SEED_BOUND = 1 << 63
 
 _Route = Callable[["Routing", Any, tuple[Any, ...], dict[str, Any]], Any]
 _ROUTES: dict[Any, _Route | None] = {}
@@ -48,10 +47,8 @@ def _route_of(func: Any) -> _Route | None:
         sibling = _generator_overload(func)
         if sibling is not None:
             route = _pass_generator(sibling._schema, sibling)
-        elif func is torch.ops.aten.native_dropout.default:
-            route = _native_dropout
         else:
-            route = _hold_default_generator
+            route = _lend_default_generator
     _ROUTES[func] = route
     return route
 
@@ -89,26 +86,14 @@ def _pass_generator(schema: Any, target: Any = None) -> _Route:
     return route
 
 
-def _native_dropout(routing: Routing, func: Any, args: tuple[Any, ...], kwargs: Any) -> Any:
-    """``native_dropout`` (no generator argument) as the CPU kernel computes it."""
-    names = [a.name for a in func._schema.arguments]
-    values = dict(zip(names, args)) | kwargs
-    input, p, train = values["input"], float(values["p"]), values.get("train")
-    if train is False or p in (0.0, 1.0) or input.numel() == 0:
-        return func(*args, **kwargs)  # draws nothing
-    mask = torch.empty_like(input, dtype=torch.bool, memory_format=torch.contiguous_format)
-    mask.bernoulli_(1.0 - p, generator=routing.generator((input,), {}))
-    return input.mul(mask).mul_(1.0 / (1.0 - p)), mask
-
-
-def _hold_default_generator(routing: Routing, func: Any, args: Any, kwargs: Any) -> Any:
-    """A random op that takes no generator (fused attention dropout on CUDA...): run it
-    holding its device's default generator seeded from the stream, then restore that."""
+def _lend_default_generator(routing: Routing, func: Any, args: Any, kwargs: Any) -> Any:
+    """A random op that takes no generator (fused dropout and attention on CUDA...): run it
+    with the stream lent to its device's default generator, so it draws what it would draw
+    from that generator seeded from the stream."""
     name = generator_name(routing.device_of(args, kwargs))
     if name is None:  # a device type whose default generator gpipe does not handle
         return func(*args, **kwargs)
-    seed = int(torch.randint(0, _SEED_BOUND, (), generator=routing.generator(args, kwargs)))
-    with held_seeded((name,), seed):
+    with lent(name, routing.generator(args, kwargs)):
         return func(*args, **kwargs)
 
 
