@@ -205,18 +205,25 @@ def test_only_layers_that_draw_run_on_a_stream() -> None:
 
 
 def test_one_layer_object_at_two_positions_draws_two_streams() -> None:
-    """Streams follow positions: ``act`` in ``Sequential(l1, act, l2, act)`` draws twice."""
-    dropout = nn.Dropout(0.5)
+    """Streams follow positions: ``drop`` in ``Sequential(l1, drop, l2, drop)`` draws twice."""
+
+    def model() -> nn.Sequential:
+        torch.manual_seed(0)
+        drop = nn.Dropout(0.5)
+        return nn.Sequential(nn.Linear(8, 8), drop, nn.Linear(8, 8), drop).double()
+
+    reference = model()
+    torch.manual_seed(SEED)
+    _, expected = _reference(reference, 2, draw_step_seed())
+    for balance in ([2, 2], [1, 1, 1, 1], [4]):
+        twice = model()
+        assert_close(_pipe_step(GPipe(twice, balance, chunks=2), twice)[1], expected)
     x = torch.ones(4, 8, dtype=torch.float64)
-    torch.manual_seed(1)
-    seed = draw_step_seed()
-    with layer_stream(seed, 1, 0):
-        first = dropout(x)
-    with layer_stream(seed, 3, 0):
-        second = dropout(x)
-    with layer_stream(seed, 1, 0):
-        again = dropout(x)
-    assert torch.equal(first, again) and not torch.equal(first, second)
+    with layer_stream(SEED, 1, 0):
+        first = reference[1](x)
+    with layer_stream(SEED, 3, 0):
+        second = reference[3](x)
+    assert not torch.equal(first, second)
 
 
 class _DrawsOutsideTorchOps(nn.Module):
