@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -595,7 +596,10 @@ def _refuse_compiled_whole(module: Any) -> None:
         "nn.Sequential(*(torch.compile(layer) for layer in layers))), then GPipe(model, ...)"
     )
     why = "the pipe calls the model's layers stage by stage, never the compiled whole"
-    if isinstance(module, torch._dynamo.eval_frame.OptimizedModule):
+    # NOTE: looked up only if Dynamo is loaded (importing it takes seconds): else nothing is
+    # compiled.
+    dynamo = sys.modules.get("torch._dynamo")
+    if dynamo is not None and isinstance(module, dynamo.eval_frame.OptimizedModule):
         raise TypeError(f"GPipe got torch.compile(model): {why}; {fix}")
     if getattr(module, "_compiled_call_impl", None) is not None:
         raise ValueError(f"GPipe got model.compile(): {why}, so nothing would compile; {fix}")
