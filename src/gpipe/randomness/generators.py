@@ -48,27 +48,29 @@ def _lock(name: str) -> threading.RLock:
         return _locks[name]
 
 
-Named = tuple[tuple[str, torch.Generator], ...]
-
-
 @contextmanager
-def _seeded(generators: Named, seed: int) -> Iterator[None]:
-    states = [generator.get_state() for _, generator in generators]
-    for _, generator in generators:
+def _seeded(names: tuple[str, ...], seed: int) -> Iterator[None]:
+    generators = [_generator(name) for name in names]
+    states = [generator.get_state() for generator in generators]
+    for generator in generators:
         generator.manual_seed(seed)
     try:
         yield
     finally:
-        for (_, generator), state in zip(generators, states):
+        for generator, state in zip(generators, states):
             generator.set_state(state)
 
 
 @contextmanager
-def _holding(generators: Named) -> Iterator[None]:
+def _holding(names: tuple[str, ...]) -> Iterator[None]:
     with ExitStack() as stack:
-        for name, _ in generators:  # NOTE: always in name order, so no two workers deadlock
+        for name in names:  # NOTE: always in name order, so no two workers deadlock
             stack.enter_context(_lock(name))
         yield
+
+
+def _states(names: tuple[str, ...]) -> list[bytes]:
+    return [_generator(name).get_state().numpy().tobytes() for name in names]
 
 
 @contextmanager
@@ -94,13 +96,16 @@ def lent(name: str, stream: torch.Generator) -> Iterator[None]:
 class WorkerGenerators:
     """The default generators one worker's layers draw from, split by who else uses them.
 
+    Generators are named ("cpu", "cuda:0"), not held, so this stays plain data (a copy of
+    the pipe must still seed the process's own default generators).
+
     Args:
         own: generators no other worker of this process uses: seeded per layer, no lock.
         shared: generators other workers use at the same time.
     """
 
-    own: Named
-    shared: Named
+    own: tuple[str, ...]
+    shared: tuple[str, ...]
 
     @classmethod
     def of(cls, device: torch.device, devices: list[torch.device]) -> WorkerGenerators:
@@ -113,13 +118,13 @@ class WorkerGenerators:
         name = generator_name(device)
         if name is not None and name != "cpu":
             names[name] = sum(generator_name(d) == name for d in devices)
-        own = tuple((n, _generator(n)) for n in sorted(names) if names[n] == 1)
-        shared = tuple((n, _generator(n)) for n in sorted(names) if names[n] > 1)
+        own = tuple(n for n in sorted(names) if names[n] == 1)
+        shared = tuple(n for n in sorted(names) if names[n] > 1)
         return cls(own, shared)
 
     @property
     def own_names(self) -> frozenset[str]:
-        return frozenset(name for name, _ in self.own)
+        return frozenset(self.own)
 
     def seeded_own(self, seed: int) -> AbstractContextManager[None]:
         """Seed this worker's own generators with ``seed``; restore them on exit."""
@@ -137,9 +142,9 @@ class WorkerGenerators:
 
     def read(self) -> tuple[list[bytes], list[bytes]]:
         """The states of the own and the shared generators, to compare later."""
-        own = [generator.get_state().numpy().tobytes() for _, generator in self.own]
+        own = _states(self.own)
         # NOTE: shared ones are read under their locks, so a generator another worker
         # holds seeded (and restores) is never seen half-way.
         with _holding(self.shared):
-            shared = [generator.get_state().numpy().tobytes() for _, generator in self.shared]
+            shared = _states(self.shared)
         return own, shared
