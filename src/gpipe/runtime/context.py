@@ -13,6 +13,7 @@ worker thread around that thread's actions, user modes outermost, as in the call
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import ExitStack, contextmanager
@@ -71,6 +72,12 @@ class CallerContext:
             hooks_disabled=torch._C._autograd._saved_tensors_hooks_get_disabled_error_message(),
             dispatch_modes=tuple(_get_current_dispatch_mode_stack()),
             function_modes=tuple(_get_current_function_mode_stack()),
+        )
+
+    def autocast_only(self) -> CallerContext:
+        """This snapshot's autocast alone, holding none of the caller's hooks or modes."""
+        return dataclasses.replace(
+            self, saved_tensors_hooks=None, dispatch_modes=(), function_modes=()
         )
 
     @property

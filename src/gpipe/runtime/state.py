@@ -58,9 +58,9 @@ class StepState:
     loss: Loss | None = None
     split_backward: bool = False
     track_memory: bool = True
-    # The caller's thread-local state (autocast, modes, hooks...) for the run under way,
-    # and for the run that did the forwards: a recomputation runs under the latter's
-    # autocast, as torch.utils.checkpoint does. Captured by Step.run.
+    # The caller's thread-local state (autocast, modes, hooks...) for the run under way, and
+    # the autocast of the run that did the forwards: a recomputation runs under the latter,
+    # as torch.utils.checkpoint does. Captured by Step.run.
     context: CallerContext | None = None
     forward_context: CallerContext | None = None
     saved: dict[tuple[int, int], Saved] = field(default_factory=dict)

@@ -59,9 +59,10 @@ class Step:
                 blocked.
         """
         devices = self.stages.devices
-        self.state.context = CallerContext.capture(device.type for device in devices)
+        context = CallerContext.capture(device.type for device in devices)
+        self.state.context = context
         if self.state.forward_context is None:
-            self.state.forward_context = self.state.context
+            self.state.forward_context = context.autocast_only()
         busy = [d for d in range(len(actions)) if actions[d]]
         threads = [
             threading.Thread(
@@ -85,6 +86,8 @@ class Step:
             for thread in threads:
                 thread.join()
             raise
+        finally:
+            self.state.context = None  # NOTE: the step outlives the run: keep no user modes
         if self._error is not None:
             self.state.saved.clear()
             raise self._error
