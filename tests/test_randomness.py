@@ -14,7 +14,7 @@ from torch.testing import assert_close
 from gpipe import GPipe
 from gpipe.microbatch import scatter
 from gpipe.models import SleepLayer
-from gpipe.randomness import LOSS_KEY, draw_step_seed, layer_stream, stream_seed
+from gpipe.randomness import LOSS_KEY, Streams, draw_step_seed, layer_stream, stream_seed
 
 SEED = 3
 
@@ -328,3 +328,18 @@ def test_stream_seeds_are_stable_and_distinct_per_key_and_microbatch() -> None:
     assert all(0 <= s < 2**63 for s in seeds)
     with pytest.raises(TypeError, match="int position or a str name"):
         stream_seed(123, 1.5, 0)  # type: ignore[arg-type]
+
+
+def test_a_layer_is_held_only_when_two_probes_see_it_bypass_routing() -> None:
+    """Another stage drawing unrouted at the moment of a probe is not taken for this layer."""
+    streams = Streams({0: torch.device("cpu"), 1: torch.device("cpu")})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        streams._learn(3, True, "held", stage=0)
+    assert streams.kind(3, True) is None  # probed again at its next forward
+    streams._learn(3, True, "plain", stage=0)
+    assert streams.kind(3, True) == "plain"
+    with pytest.warns(RuntimeWarning, match="bypass torch's random ops"):
+        streams._learn(4, True, "held", stage=0)
+        streams._learn(4, True, "held", stage=0)
+    assert streams.kind(4, True) == "held"

@@ -55,6 +55,7 @@ class Streams:
         listed = list(devices.values())
         self._generators = {i: WorkerGenerators.of(d, listed) for i, d in devices.items()}
         self._kinds: dict[tuple[LayerKey, bool], str] = {}
+        self._suspects: set[tuple[LayerKey, bool]] = set()  # seen bypassing routing once
         self._warned: set[Any] = set()
 
     def kind(self, key: LayerKey, training: bool) -> str | None:
@@ -77,6 +78,17 @@ class Streams:
         )
 
     def _learn(self, key: LayerKey, training: bool, kind: str, stage: int) -> None:
+        """Record how ``key`` draws. A verdict of "held" counts from its second probe on.
+
+        NOTE: a probe sees a shared generator move when another worker's layer draws on it
+        unrouted at that moment (a layer that starts drawing, not yet caught): the first such
+        verdict holds the layer for the redo only, and it is probed again next time.
+        """
+        if kind == HELD and (key, training) not in self._suspects:
+            self._suspects.add((key, training))
+            self._kinds.pop((key, training), None)
+            return
+        self._suspects.discard((key, training))
         self._kinds[key, training] = kind
         if kind == HELD and ("held", key) not in self._warned:
             self._warned.add(("held", key))
@@ -130,10 +142,13 @@ class StageForward:
         self._stage = stage
         self._probe_all = False
         self._must_redo = False
+        self._held_keys: set[LayerKey] = set()  # held for this forward's redo
         self._before: tuple[list[bytes], list[bytes]] | None = None
         self._attempts = 0
 
     def _kind(self, key: LayerKey) -> str | None:
+        if key in self._held_keys:
+            return HELD
         kind = self._streams.kind(key, self._training)
         return kind if kind == HELD or not self._probe_all else None
 
@@ -176,6 +191,7 @@ class StageForward:
             own_after, shared_after = self._generators.read()
         if shared_after != shared:  # drew on a shared generator, unrouted: redo it held
             kind = HELD
+            self._held_keys.add(key)
             self._must_redo = True
         elif routing.drew:
             kind = ROUTED
