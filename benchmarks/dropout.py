@@ -1,20 +1,24 @@
 """Dropout in every stage: step time with and without it, and what a random stream costs.
 
 Each of K stages is a SleepLayer (forward F ms, backward B ms, releasing the GIL) followed
-by Dropout(p) or by Identity. Since every (layer, micro-batch) draws from its own stream and
-no lock is held, stages that draw overlap like any others, so the two step times should
-match (the target is <= 1.1x). "serialized" reproduces the old design, in which a stage that
-drew random numbers held its device's generator, under a lock, for its whole forward: all
-"cpu" stages share one generator, so their forwards ran one at a time. The ideal is the
-simulator's makespan, (M + K - 1)(F + B) for GPipe; torch.distributed.pipelining runs the
-same dropout stages, one process per stage.
+by Dropout(p) or by Identity, as two layers ("dropout layers") or as one ("dropout inside a
+layer"). Since every (layer, micro-batch) draws from its own stream, stages that draw
+overlap like any others, so the step times should match (the target is <= 1.1x): a lone
+dropout is cheaper to run holding the shared CPU generator for its few microseconds, the
+slow layer is routed (see gpipe.randomness.streams), and neither keeps the generator across
+a stage's forward. "serialized" reproduces the old design, in which a stage that drew random
+numbers held its device's generator, under a lock, for its whole forward: all "cpu" stages
+share one generator, so their forwards ran one at a time. The ideal is the simulator's
+makespan, (M + K - 1)(F + B) for GPipe; torch.distributed.pipelining runs the same dropout
+stages, one process per stage.
 
 Then what the streams cost: per op run under the routing dispatch mode (layers that draw on
 a generator several workers share: the CPU's, in a local pipe with several "cpu" stages),
 per layer call seeding a generator the worker owns (one GPU per stage, a one-device pipe,
 a one-stage process), per stage forward for watching the default generators, and on the
 tiny GPT of gpipe.models (whose blocks all contain dropout) over one micro-batch's forward
-and backward. CPU time of this thread, medians, so a busy machine skews them less.
+and backward, each way a layer can draw. CPU time of this thread, medians, so a busy
+machine skews them less.
 
     python benchmarks/dropout.py [--stages 4] [--microbatches 8] [--steps 7] [--no-torch]
 """
@@ -55,13 +59,17 @@ class Serialized(nn.Module):
             return self.stage(x)
 
 
-def stages(k: int, f: float, b: float, p: float | None, serialized: bool = False) -> nn.Sequential:
-    """K stages of SleepLayer + Dropout(p) (Identity if p is None), two layers each."""
+def stages(k: int, f: float, b: float, p: float | None, how: str = "layers") -> nn.Sequential:
+    """K stages of SleepLayer + Dropout(p) (Identity if p is None): two layers each
+    ("layers"), one layer each ("one layer"), or one layer under the old lock ("serialized").
+    """
     blocks = [
         nn.Sequential(SleepLayer(f, b), nn.Dropout(p) if p else nn.Identity()) for _ in range(k)
     ]
-    if serialized:
+    if how == "serialized":
         return nn.Sequential(*[Serialized(block) for block in blocks])
+    if how == "one layer":
+        return nn.Sequential(*blocks)
     return nn.Sequential(*[layer for block in blocks for layer in block])
 
 
@@ -71,7 +79,8 @@ def step_times(args: argparse.Namespace) -> dict[str, float]:
     variants = {
         "no dropout": stages(k, f, b, None),
         "dropout": stages(k, f, b, args.p),
-        "serialized": stages(k, f, b, args.p, serialized=True),
+        "dropout in layer": stages(k, f, b, args.p, how="one layer"),
+        "serialized": stages(k, f, b, args.p, how="serialized"),
     }
     pipes = {
         name: GPipe(model, [len(model) // k] * k, devices=["cpu"] * k, chunks=m, checkpoint="never")
@@ -85,6 +94,10 @@ def step_times(args: argparse.Namespace) -> dict[str, float]:
             pipe.train_step(x, target, F.mse_loss)
             if step:
                 times[name].append(time.perf_counter() - began)
+    streams = pipes["dropout"]._stages.streams
+    print("how the layers draw: dropout as a layer of its own:", streams.kind(1, True),
+          "| dropout inside the stage's one layer:",
+          pipes["dropout in layer"]._stages.streams.kind(0, True))  # fmt: skip
     return {name: statistics.median(t) * 1e3 for name, t in times.items()}
 
 
@@ -176,9 +189,11 @@ def gpt_costs() -> dict[str, float]:
                     h = layer(h)
         gpt_loss(h, targets).backward()
 
+    shared = WorkerGenerators.of(torch.device("cpu"), [torch.device("cpu")] * 2)
     ways = {
         "plain": lambda: run(None),
         "seeded": lambda: run(lambda i: owned.seeded_own(i)),
+        "held": lambda: run(lambda i: shared.seeded_shared(i)),
         "routed": lambda: run(lambda i: layer_stream(1, i, 0)),
     }
     return {name: cpu_us(way, repeats=9, number=5) / 1e3 for name, way in ways.items()}
@@ -204,7 +219,8 @@ def main() -> None:
     rows = [
         ("ideal (simulator)", ideal),
         ("gpipe, no dropout", measured["no dropout"]),
-        ("gpipe, dropout", measured["dropout"]),
+        ("gpipe, dropout layers", measured["dropout"]),
+        ("gpipe, dropout inside a layer", measured["dropout in layer"]),
         ("old design: stages serialized", measured["serialized"]),
     ]
     reference = None if args.no_torch else torch_ms(args)
@@ -222,8 +238,9 @@ def main() -> None:
           "per stage forward")  # fmt: skip
     gpt_ms = gpt_costs()
     print(f"tiny GPT, one micro-batch of 8 forward + backward, CPU ms: {gpt_ms['plain']:.2f} "
-          f"plain, {gpt_ms['seeded']:.2f} seeded (owned generator), {gpt_ms['routed']:.2f} "
-          "routed (every block draws, so every forward op is routed)")  # fmt: skip
+          f"plain, {gpt_ms['seeded']:.2f} seeded (owned generator), {gpt_ms['held']:.2f} held "
+          f"(shared generator, what the pipe picks for its blocks), {gpt_ms['routed']:.2f} "
+          "routed (every block draws, so every forward op would be routed)")  # fmt: skip
 
     fields: dict[str, object] = {
         "stages": k,
@@ -232,6 +249,8 @@ def main() -> None:
         "no_dropout_ms": f"{measured['no dropout']:.1f}",
         "dropout_ms": f"{measured['dropout']:.1f}",
         "ratio": f"{measured['dropout'] / measured['no dropout']:.3f}",
+        "dropout_in_layer_ms": f"{measured['dropout in layer']:.1f}",
+        "ratio_in_layer": f"{measured['dropout in layer'] / measured['no dropout']:.3f}",
         "serialized_ms": f"{measured['serialized']:.1f}",
         "serialized_ratio": f"{measured['serialized'] / measured['no dropout']:.3f}",
     }
@@ -242,6 +261,7 @@ def main() -> None:
         "watch_us": f"{costs['watch_us']:.1f}",
         "gpt_plain_ms": f"{gpt_ms['plain']:.2f}",
         "gpt_seeded_ratio": f"{gpt_ms['seeded'] / gpt_ms['plain']:.3f}",
+        "gpt_held_ratio": f"{gpt_ms['held'] / gpt_ms['plain']:.3f}",
         "gpt_routed_ratio": f"{gpt_ms['routed'] / gpt_ms['plain']:.3f}",
     }
     print("RESULT " + " ".join(f"{key}={value}" for key, value in fields.items()))

@@ -6,15 +6,17 @@ A layer runs, for each micro-batch, in one of four ways, learned by probing it:
     seeded   it draws only on generators its worker owns: those are seeded from its
              stream around the call and restored after (free per op)
     routed   it draws on a generator other workers share: a dispatch mode hands its
-             random ops the stream's private generator (5-10 µs per op)
-    held     some of its draws bypass routing (a custom kernel reading the default
-             generator): it holds the shared generators, seeded, under a lock
+             random ops the stream's private generator (5-10 µs per op, every op)
+    held     it holds the shared generators, seeded, under a lock, for its call: when
+             routing would cost more than a tenth of its time (small ops), or when
+             some of its draws bypass routing (a custom kernel reading the generator)
 
 All four draw the same numbers: what the layer draws from default generators seeded from
 its stream.
 
 A layer is probed the first time it runs (per training mode): it runs routed with its own
-generators seeded, and what moved tells its kind. Afterwards the default generators are
+generators seeded, and what moved tells its kind; one found to draw on a shared generator is
+then timed routed and held, and keeps the cheaper way. Afterwards the default generators are
 compared before and after each stage forward, so a layer that starts drawing (a dropout
 probability raised from 0) is caught and probed, and the forward redone on the streams
 before anything leaves it. So a recomputation always replays what its forward drew.
@@ -22,6 +24,7 @@ before anything leaves it. So a recomputation always replays what its forward dr
 
 from __future__ import annotations
 
+import time
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
@@ -36,6 +39,14 @@ from gpipe.randomness.seeds import LOSS_KEY, LayerKey, stream_seed
 __all__ = ["StageForward", "Streams"]
 
 PLAIN, SEEDED, ROUTED, HELD = "plain", "seeded", "routed", "held"
+
+# A layer that draws on a shared generator holds it (seeded, under a lock, for its call)
+# rather than being routed when routing costs more CPU than this share of the time it would
+# hold the generator: a layer of small ops (a tiny transformer block: 69 ops, routing took
+# its forward from 0.83 to 1.57 ms of CPU; a lone dropout). A layer whose time goes to long
+# kernels (or sleeps) is routed, so it never keeps others waiting for long.
+# NOTE: both draw the same numbers, so this choice changes the speed, never the result.
+_HOLD_ABOVE = 0.1
 
 # Attempts at one stage forward: the first; one probing every layer after a generator moved;
 # one holding the layers found to bypass routing; one spare.
@@ -56,6 +67,9 @@ class Streams:
         self._generators = {i: WorkerGenerators.of(d, listed) for i, d in devices.items()}
         self._kinds: dict[tuple[LayerKey, bool], str] = {}
         self._suspects: set[tuple[LayerKey, bool]] = set()  # seen bypassing routing once
+        # Routed layers still to be timed (routed, then held) to settle which is cheaper:
+        # the CPU seconds of their routed run once it was timed.
+        self._trials: dict[tuple[LayerKey, bool], float | None] = {}
         self._warned: set[Any] = set()
 
     def kind(self, key: LayerKey, training: bool) -> str | None:
@@ -77,20 +91,26 @@ class Streams:
             self, self._generators[device], keys, training, step_seed, microbatch, stage
         )
 
-    def _learn(self, key: LayerKey, training: bool, kind: str, stage: int) -> None:
-        """Record how ``key`` draws. A verdict of "held" counts from its second probe on.
+    def _learn(
+        self, key: LayerKey, training: bool, kind: str, stage: int, bypassed: bool = False
+    ) -> None:
+        """Record how ``key`` draws. That it ``bypassed`` routing counts from its second
+        probe on.
 
         NOTE: a probe sees a shared generator move when another worker's layer draws on it
         unrouted at that moment (a layer that starts drawing, not yet caught): the first such
         verdict holds the layer for the redo only, and it is probed again next time.
         """
-        if kind == HELD and (key, training) not in self._suspects:
+        if not bypassed:
+            self._kinds[key, training] = kind
+            return
+        if (key, training) not in self._suspects:
             self._suspects.add((key, training))
             self._kinds.pop((key, training), None)
             return
         self._suspects.discard((key, training))
         self._kinds[key, training] = kind
-        if kind == HELD and ("held", key) not in self._warned:
+        if ("held", key) not in self._warned:
             self._warned.add(("held", key))
             what = "the loss" if key == LOSS_KEY else f"layer {key!r}"
             warnings.warn(
@@ -169,13 +189,42 @@ class StageForward:
             return self._generators.seeded_own(seed)
         if kind is None:
             return self._probe(key, seed)
-        return self._routed(seed) if kind == ROUTED else self._held(seed)
+        if kind == HELD:
+            return self._held(seed)
+        if (key, self._training) in self._streams._trials:
+            return self._trial(key, seed)
+        return self._routed(seed)
 
     @contextmanager
     def _routed(self, seed: int) -> Iterator[None]:
         own = self._generators.own_names
         with self._generators.seeded_own(seed), Routing(seed, own).active():
             yield
+
+    @contextmanager
+    def _trial(self, key: LayerKey, seed: int) -> Iterator[None]:
+        """Run routed, then held, timing each, and keep the cheaper way for this layer.
+
+        Routing costs CPU on every op; holding costs other layers that wait for the generator
+        while this one runs. So the layer is held if routing costs more CPU than a tenth of
+        the time it holds the generator for. NOTE: timed from its second run on: a first run
+        (of a layer, of routing in a process) pays one-time costs.
+        """
+        trials = self._streams._trials
+        routed_cpu = trials[key, self._training]
+        began = time.thread_time()
+        if routed_cpu is None:
+            with self._routed(seed):
+                yield
+            trials[key, self._training] = time.thread_time() - began
+            return
+        with self._generators.seeded_own(seed), self._generators.seeded_shared(seed):
+            began, held_from = time.thread_time(), time.perf_counter()
+            yield
+            held_cpu, held_for = time.thread_time() - began, time.perf_counter() - held_from
+        del trials[key, self._training]
+        if routed_cpu - held_cpu > _HOLD_ABOVE * held_for:
+            self._streams._learn(key, self._training, HELD, self._stage)
 
     @contextmanager
     def _held(self, seed: int) -> Iterator[None]:
@@ -190,13 +239,15 @@ class StageForward:
                 yield
             own_after, shared_after = self._generators.read()
         if shared_after != shared:  # drew on a shared generator, unrouted: redo it held
-            kind = HELD
             self._held_keys.add(key)
             self._must_redo = True
-        elif routing.drew:
-            kind = ROUTED
-        else:
+            self._streams._learn(key, self._training, HELD, self._stage, bypassed=True)
+            return
+        if not routing.drew:
             kind = SEEDED if own_after != own else PLAIN
+        else:
+            kind = ROUTED
+            self._streams._trials[key, self._training] = None  # or held: see _trial
         self._streams._learn(key, self._training, kind, self._stage)
 
     @contextmanager
