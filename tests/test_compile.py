@@ -15,6 +15,9 @@ from gpipe import GPipe
 from gpipe.microbatch import scatter
 from gpipe.randomness import draw_step_seed, layer_stream
 
+# NOTE: torch's own compile path warns that torch.jit.script_method is deprecated.
+pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script_method`:DeprecationWarning")
+
 X = torch.linspace(-1, 1, 8 * 8).view(8, 8)
 TARGET = torch.zeros(8, 8)
 
