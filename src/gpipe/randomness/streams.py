@@ -16,10 +16,11 @@ its stream.
 
 A layer is probed the first time it runs (per training mode): it runs routed with its own
 generators seeded, and what moved tells its kind; one found to draw on a shared generator is
-then timed routed and held, and keeps the cheaper way. Afterwards the default generators are
-compared before and after each stage forward, so a layer that starts drawing (a dropout
-probability raised from 0) is caught and probed, and the forward redone on the streams
-before anything leaves it. So a recomputation always replays what its forward drew.
+then timed routed and held (three runs each), and keeps the cheaper way. Afterwards the
+default generators are compared before and after each stage forward, so a layer that starts
+drawing (a dropout probability raised from 0) is caught and probed, and the forward redone
+on the streams before anything leaves it. So a recomputation always replays what its forward
+drew.
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ PLAIN, SEEDED, ROUTED, HELD = "plain", "seeded", "routed", "held"
 # kernels (or sleeps) is routed, so it never keeps others waiting for long.
 # NOTE: both draw the same numbers, so this choice changes the speed, never the result.
 _HOLD_ABOVE = 0.1
+# Runs of each way a layer is timed before the choice (after its probe).
+_TRIALS = 3
 
 # Attempts at one stage forward: the first; one probing every layer after a generator moved;
 # one holding the layers found to bypass routing; one spare.
@@ -67,9 +70,10 @@ class Streams:
         self._generators = {i: WorkerGenerators.of(d, listed) for i, d in devices.items()}
         self._kinds: dict[tuple[LayerKey, bool], str] = {}
         self._suspects: set[tuple[LayerKey, bool]] = set()  # seen bypassing routing once
-        # Routed layers still to be timed (routed, then held) to settle which is cheaper:
-        # the CPU seconds of their routed run once it was timed.
-        self._trials: dict[tuple[LayerKey, bool], float | None] = {}
+        # Routed layers still being timed, routed and held, to settle which is cheaper: the
+        # CPU seconds of their routed runs, and the CPU and wall seconds of their held runs.
+        self._trials: dict[tuple[LayerKey, bool], tuple[list[float], list[tuple[float, float]]]]
+        self._trials = {}
         self._warned: set[Any] = set()
 
     def kind(self, key: LayerKey, training: bool) -> str | None:
@@ -203,27 +207,29 @@ class StageForward:
 
     @contextmanager
     def _trial(self, key: LayerKey, seed: int) -> Iterator[None]:
-        """Run routed, then held, timing each, and keep the cheaper way for this layer.
+        """Run routed or held, timing it; after a few runs each, keep the cheaper way.
 
         Routing costs CPU on every op; holding costs other layers that wait for the generator
         while this one runs. So the layer is held if routing costs more CPU than a tenth of
-        the time it holds the generator for. NOTE: timed from its second run on: a first run
-        (of a layer, of routing in a process) pays one-time costs.
+        the time it holds the generator for. NOTE: the least of a few runs each, so a run
+        that waited for the GIL (or paid a one-time cost) does not decide.
         """
-        trials = self._streams._trials
-        routed_cpu = trials[key, self._training]
+        routed, held = self._streams._trials[key, self._training]
         began = time.thread_time()
-        if routed_cpu is None:
+        if len(routed) <= len(held):
             with self._routed(seed):
                 yield
-            trials[key, self._training] = time.thread_time() - began
+            routed.append(time.thread_time() - began)
             return
         with self._generators.seeded_own(seed), self._generators.seeded_shared(seed):
             began, held_from = time.thread_time(), time.perf_counter()
             yield
-            held_cpu, held_for = time.thread_time() - began, time.perf_counter() - held_from
-        del trials[key, self._training]
-        if routed_cpu - held_cpu > _HOLD_ABOVE * held_for:
+            held.append((time.thread_time() - began, time.perf_counter() - held_from))
+        if len(held) < _TRIALS:
+            return
+        del self._streams._trials[key, self._training]
+        held_cpu, held_for = min(cpu for cpu, _ in held), min(wall for _, wall in held)
+        if min(routed) - held_cpu > _HOLD_ABOVE * held_for:
             self._streams._learn(key, self._training, HELD, self._stage)
 
     @contextmanager
@@ -247,7 +253,7 @@ class StageForward:
             kind = SEEDED if own_after != own else PLAIN
         else:
             kind = ROUTED
-            self._streams._trials[key, self._training] = None  # or held: see _trial
+            self._streams._trials[key, self._training] = ([], [])  # or held: see _trial
         self._streams._learn(key, self._training, kind, self._stage)
 
     @contextmanager
