@@ -1,13 +1,28 @@
-"""The runtime's own cost: one stage with chunks=M vs plain gradient accumulation.
+"""The runtime's own cost, two ways: on one stage, and per action on K stages.
 
-Both run the same tiny GPT over the same M micro-batches, forward and backward, without
-re-materialization; the ratio is what the pipeline machinery (worker thread, messages,
-random streams, memory accounting) adds. torch.distributed.pipelining runs the same one-stage
-job in its own process for comparison. The pipe runs twice: as it comes (counting the bytes
-each micro-batch keeps for the timeline, a hook on every saved tensor) and with
-``track_memory=False``.
+One stage: one stage with chunks=M vs plain gradient accumulation. Both run the same tiny
+GPT over the same M micro-batches, forward and backward, without re-materialization; the
+ratio is what the pipeline machinery (messages, random streams, memory accounting) adds.
+torch.distributed.pipelining runs the same one-stage job in its own process for
+comparison. The pipe runs twice: as it comes (counting the bytes each micro-batch keeps for
+the timeline, a hook on every saved tensor) and with ``track_memory=False``.
 
-    python benchmarks/overhead.py [--microbatches 8] [--steps 20]
+Per action: K SleepLayer stages of F = B = 0.5 ms (sleeps, like kernels, release the GIL),
+one sample per micro-batch, step time measured for several M and fitted by least squares
+to a line in M. The model fitted: with equal stages, once the pipe is full every device
+runs one F and one B per micro-batch back to back, each costing its sleep plus an overhead
+c (hand-offs, Python, autograd, waiting for the GIL or a core), so
+
+    pipeline (ours, torch.distributed.pipelining; GPipe or 1F1B):  T(M) = (M + K - 1)(F + B + 2c)
+    plain sequential (one thread, micro-batch by micro-batch):    T(M) = M K (F + B + 2c)
+
+and c = (slope - F - B) / 2, or (slope / K - F - B) / 2 for plain. The intercept (fill and
+drain, start-up) stays out of c. Every c includes what each sleep overshoots, printed
+beside it (``sleep_overshoot_us``): plain's c is that plus the autograd and Python cost of
+the layer itself, the floor any runtime pays.
+
+    python benchmarks/overhead.py [--microbatches 8] [--steps 30] [--stages 2 4 8]
+    python benchmarks/overhead.py --no-fit        # the one-stage comparison only
 """
 
 from __future__ import annotations
@@ -15,21 +30,21 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
+from torch.nn import functional as F
 
 import torch_reference
 from gpipe import GPipe, scatter
-from gpipe.models import GPTConfig, gpt, gpt_loss, synthetic_tokens
+from gpipe.models import GPTConfig, gpt, gpt_loss, sleep_stages, synthetic_tokens
+from host import sleep_overshoot_us
+
+_SCHEDULES = ("gpipe", "1f1b")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--microbatches", type=int, default=8)
-    parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--no-torch", action="store_true", help="skip torch.distributed.pipelining")
-    args = parser.parse_args()
+def one_stage(args: argparse.Namespace) -> dict[str, object]:
+    """The tiny GPT on one stage against plain gradient accumulation; the RESULT fields."""
     m = args.microbatches
     config = GPTConfig()
     torch.manual_seed(0)
@@ -85,6 +100,113 @@ def main() -> None:
         print(f"torch.distributed.pipelining, 1 stage: {torch_ms:.2f} ms")
         fields["torch_ms"] = f"{torch_ms:.2f}"
         fields["torch_ratio"] = f"{torch_ms / plain_ms:.3f}"
+    return fields
+
+
+def _overhead(counts: list[int], seconds: list[float], work: float, stages: int = 1) -> float:
+    """c from the line fitted to step seconds against M (see the module docstring).
+
+    Args:
+        counts: the micro-batch counts M.
+        seconds: the median step time at each M.
+        work: F + B in seconds.
+        stages: how many stages one thread runs in turn per micro-batch (K for plain).
+    """
+    slope = statistics.linear_regression(counts, seconds).slope
+    return (slope / stages - work) / 2
+
+
+def per_action(args: argparse.Namespace) -> dict[str, object]:
+    """The fitted overhead per action at each K: ours, torch's, plain; the RESULT fields."""
+    f = b = args.action_ms / 1e3
+    counts = args.fit_microbatches
+    fields: dict[str, object] = {}
+    rows = []
+    for k in args.stages:
+        runs: dict[str, dict[int, Callable[[], object]]] = {name: {} for name in _SCHEDULES}
+        runs["plain"] = {}
+        for m in counts:
+            x, target = torch.randn(m, 4, requires_grad=True), torch.randn(m, 4)
+            for name in _SCHEDULES:
+                pipe = GPipe(
+                    sleep_stages(k, args.action_ms, args.action_ms),
+                    [1] * k,
+                    devices=["cpu"] * k,
+                    chunks=m,
+                    checkpoint="never",
+                    schedule=name,
+                )
+                runs[name][m] = lambda pipe=pipe, x=x, t=target: pipe.train_step(x, t, F.mse_loss)
+            model = sleep_stages(k, args.action_ms, args.action_ms)
+
+            def plain(model: torch.nn.Module = model, x: torch.Tensor = x, t=target) -> None:
+                for xi, ti in zip(x.split(1), t.split(1)):
+                    (F.mse_loss(model(xi), ti) / len(x)).backward()
+
+            runs["plain"][m] = plain
+        medians: dict[str, list[float]] = {name: [] for name in runs}
+        for m in counts:
+            times: dict[str, list[float]] = {name: [] for name in runs}
+            for name in runs:  # warm-up
+                runs[name][m]()
+            for _ in range(args.fit_steps):  # interleaved, so machine noise hits all alike
+                for name in runs:
+                    began = time.perf_counter()
+                    runs[name][m]()
+                    times[name].append(time.perf_counter() - began)
+            for name in runs:
+                medians[name].append(statistics.median(times[name]))
+        c = {
+            name: _overhead(counts, medians[name], f + b, k if name == "plain" else 1)
+            for name in runs
+        }
+        if not args.no_torch:
+            for name in _SCHEDULES:
+                measured = torch_reference.step_times_by_microbatches(
+                    sleep_stages,
+                    (k, args.action_ms, args.action_ms),
+                    [1] * k,
+                    schedule=name,
+                    batches={m: (torch.randn(m, 4), torch.randn(m, 4)) for m in counts},
+                    loss_fn=F.mse_loss,
+                    steps=args.fit_steps,
+                    timeout=900.0,
+                )
+                step = [statistics.median(measured[m]) for m in counts]
+                c[f"torch_{name}"] = _overhead(counts, step, f + b)
+        rows.append((k, c))
+        for name, value in c.items():
+            fields[f"action_ms_{name.replace('-', '_')}_k{k}"] = f"{value * 1e3:.3f}"
+
+    print(f"overhead per action, ms (fitted over M = {', '.join(map(str, counts))}; "
+          f"F = B = {args.action_ms:g} ms)")  # fmt: skip
+    names = [*_SCHEDULES, *(f"torch_{n}" for n in _SCHEDULES if not args.no_torch), "plain"]
+    print(f"{'K':>3} " + " ".join(f"{name:>12}" for name in names))
+    for k, c in rows:
+        print(f"{k:>3} " + " ".join(f"{c[name] * 1e3:12.3f}" for name in names))
+    return fields
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--no-torch", action="store_true", help="skip torch.distributed.pipelining")
+    parser.add_argument("--no-fit", action="store_true", help="only the one-stage comparison")
+    parser.add_argument("--stages", type=int, nargs="+", default=[2, 4, 8], help="K to fit at")
+    parser.add_argument(
+        "--fit-microbatches", type=int, nargs="+", default=[8, 16, 24, 32], help="M to fit over"
+    )
+    parser.add_argument("--fit-steps", type=int, default=7, help="steps per (K, M) in the fit")
+    parser.add_argument("--action-ms", type=float, default=0.5, help="F and B of each stage")
+    args = parser.parse_args()
+    overshoot = sleep_overshoot_us(args.action_ms / 1e3)
+    print(f"this host's time.sleep({args.action_ms:g} ms) overshoots by {overshoot:.0f} us")
+    fields = one_stage(args)
+    if not args.no_fit:
+        fields.update(per_action(args))
+    fields["sleep_overshoot_us"] = f"{overshoot:.0f}"
     print("RESULT " + " ".join(f"{key}={value}" for key, value in fields.items()))
 
 

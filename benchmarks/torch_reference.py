@@ -40,8 +40,7 @@ class _Job:
     factory_args: tuple
     balance: list[int]
     schedule: str
-    microbatches: int
-    batch: tuple[torch.Tensor, torch.Tensor]
+    runs: tuple[tuple[int, tuple[torch.Tensor, torch.Tensor]], ...]  # (M, batch) each
     loss_fn: Callable
     steps: int
     threads: int
@@ -67,29 +66,31 @@ def _stage(rank: int, job: _Job, results: Any) -> None:
             submodule = nn.Sequential(*list(model)[start : start + job.balance[index]])
             submodules.append(submodule)
             stages.append(pipelining.PipelineStage(submodule, index, count, torch.device("cpu")))
-        runner = getattr(pipelining, _SCHEDULES[job.schedule])(
-            stages[0] if len(stages) == 1 else stages, job.microbatches, loss_fn=job.loss_fn
-        )
         first, last = 0 in held, count - 1 in held
-        x, target = job.batch
-        times = []
-        for _ in range(job.steps + 1):  # the first step warms up
-            dist.barrier()
-            began = time.perf_counter()
-            if first and last:
-                runner.step(x, target=target, losses=[])
-            elif first:
-                runner.step(x)
-            elif last:
-                runner.step(target=target, losses=[])
-            else:
-                runner.step()
-            dist.barrier()
-            times.append(time.perf_counter() - began)
-            for submodule in submodules:
-                submodule.zero_grad()
+        measured = {}
+        for microbatches, (x, target) in job.runs:
+            runner = getattr(pipelining, _SCHEDULES[job.schedule])(
+                stages[0] if len(stages) == 1 else stages, microbatches, loss_fn=job.loss_fn
+            )
+            times = []
+            for _ in range(job.steps + 1):  # the first step warms up
+                dist.barrier()
+                began = time.perf_counter()
+                if first and last:
+                    runner.step(x, target=target, losses=[])
+                elif first:
+                    runner.step(x)
+                elif last:
+                    runner.step(target=target, losses=[])
+                else:
+                    runner.step()
+                dist.barrier()
+                times.append(time.perf_counter() - began)
+                for submodule in submodules:
+                    submodule.zero_grad()
+            measured[microbatches] = times[1:]
         if rank == 0:
-            results.put(times[1:])
+            results.put(measured)
     finally:
         dist.destroy_process_group()
 
@@ -116,6 +117,40 @@ def step_times(
     Raises:
         RuntimeError: a stage process failed or the run did not finish within ``timeout``.
     """
+    runs = step_times_by_microbatches(
+        factory,
+        factory_args,
+        balance,
+        schedule=schedule,
+        batches={microbatches: batch},
+        loss_fn=loss_fn,
+        steps=steps,
+        timeout=timeout,
+        threads=threads,
+    )
+    return runs[microbatches]
+
+
+def step_times_by_microbatches(
+    factory: Callable[..., nn.Sequential],
+    factory_args: tuple,
+    balance: list[int],
+    *,
+    schedule: str,
+    batches: dict[int, tuple[torch.Tensor, torch.Tensor]],
+    loss_fn: Callable,
+    steps: int = 5,
+    timeout: float = 300.0,
+    threads: int | None = None,
+) -> dict[int, list[float]]:
+    """Per-step seconds for each micro-batch count M in ``batches`` (M -> (input, target)).
+
+    Like :func:`step_times`, but every M runs in the same stage processes, one after the
+    other, so starting the processes (seconds each) is paid once.
+
+    Raises:
+        RuntimeError: a stage process failed or the run did not finish within ``timeout``.
+    """
     world = len(balance) // _STAGES_PER_RANK.get(schedule, 1)
     threads = threads or torch.get_num_threads()
     context = mp.get_context("spawn")
@@ -127,8 +162,7 @@ def step_times(
         factory_args,
         balance,
         schedule,
-        microbatches,
-        batch,
+        tuple(batches.items()),
         loss_fn,
         steps,
         threads,
