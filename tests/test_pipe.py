@@ -177,6 +177,7 @@ def test_exception_in_a_stage_reaches_caller_without_hang(when: str) -> None:
         pipe.train_step(x, target, F.mse_loss)
     if when == "forward":
         assert "micro-batch 1" in str(info.value)
+    pipe.close()  # returns only once every worker thread has ended: none was left blocked
     assert not [t for t in threading.enumerate() if t.name.startswith("gpipe-")]
     # the next step trains exactly like the plain model: nothing of the failed one is left
     model[1].when = "never"
@@ -440,6 +441,7 @@ def test_keyboard_interrupt_in_a_stage_stops_every_worker() -> None:
     pipe = GPipe(model, [1, 1, 1, 1], chunks=4)
     with pytest.raises(KeyboardInterrupt):
         pipe.train_step(torch.randn(8, 4), torch.randn(8, 4), F.mse_loss)
+    pipe.close()  # returns only once every worker thread has ended: none was left blocked
     assert not [t for t in threading.enumerate() if t.name.startswith("gpipe-")]
     # the failed step ran no action after the interrupt reached the others
     ran = [len(events) for events in pipe.timeline.events]

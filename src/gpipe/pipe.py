@@ -97,8 +97,9 @@ class GPipe(nn.Module):
 
     The module is cut into consecutive stages, one per device. Each mini-batch is split into
     ``chunks`` micro-batches that flow through the stages concurrently (one worker thread per
-    device); gradients of all micro-batches accumulate in the user's own parameters, so a
-    step equals training on the whole mini-batch.
+    device, kept until :meth:`close` or until the pipe is garbage collected); gradients of
+    all micro-batches accumulate in the user's own parameters, so a step equals training on
+    the whole mini-batch.
 
     Args:
         module: the model, an ``nn.Sequential``; its layers are moved to their devices.
@@ -488,6 +489,13 @@ class GPipe(nn.Module):
             w * value for w, value in zip(weights, step.state.losses) if w and value is not None
         ]
         return torch.stack(terms).sum()
+
+    def close(self) -> None:
+        """End the pipe's worker threads now instead of when the pipe is garbage collected.
+
+        A later step starts them again.
+        """
+        self._stages.threads.close()
 
     # -- pieces ------------------------------------------------------------------------
 

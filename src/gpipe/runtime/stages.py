@@ -1,4 +1,5 @@
-"""Stages: the stage modules of a pipe and where they live, which stay the same across steps."""
+"""Stages: the stage modules of a pipe, where they live and the threads that run them, which
+stay the same across steps."""
 
 from __future__ import annotations
 
@@ -10,13 +11,15 @@ import torch
 from torch import nn
 
 from gpipe.randomness import Streams
+from gpipe.runtime.threads import DeviceThreads
 
 __all__ = ["Stages"]
 
 
 @dataclass
 class Stages:
-    """What stays the same from step to step: the stage modules and where they live.
+    """What stays the same from step to step: the stage modules, where they live and the
+    threads that run them.
 
     Args:
         modules: one module per model stage; None for a stage this process does not hold
@@ -39,6 +42,8 @@ class Stages:
     # Bytes a forward keeps for backward, per stage, training mode, input and target shapes
     # and autocast: counted once per key (see StageWorker._forward_kept).
     saved_bytes: dict[tuple[Any, ...], int] = field(default_factory=dict)
+    # A thread per device but the caller's, kept from step to step (see DeviceThreads).
+    threads: DeviceThreads = field(default_factory=DeviceThreads, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         held = {self.placement[s] for s, module in enumerate(self.modules) if module is not None}

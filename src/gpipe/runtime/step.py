@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
+from functools import partial
 
 from gpipe.analysis import Timeline
 from gpipe.runtime.context import CallerContext
@@ -46,10 +47,11 @@ class Step:
         """Run each device's action list concurrently; re-raise the first failure.
 
         The first device with actions runs on the calling thread and every other device on
-        a thread of its own, under the calling thread's state (autocast, modes, saved-tensor
-        hooks: see :class:`~gpipe.runtime.context.CallerContext`), captured here. NOTE:
+        its own thread (kept by ``stages.threads`` from step to step), under the calling
+        thread's state (autocast, modes, saved-tensor hooks: see
+        :class:`~gpipe.runtime.context.CallerContext`), captured here for this run. NOTE:
         keeping one device on the caller means a one-stage pipe (and a rank of a distributed
-        pipe) starts no thread at all, and the caller's intra-op (OpenMP) thread team keeps
+        pipe) uses no other thread, and the caller's intra-op (OpenMP) thread team keeps
         doing the work: a second team in another thread competes with it for the cores and
         was measured 2x slower.
 
@@ -64,33 +66,32 @@ class Step:
         if self.state.forward_context is None:
             self.state.forward_context = context.autocast_only()
         busy = [d for d in range(len(actions)) if actions[d]]
-        threads = [
-            threading.Thread(
-                target=self._work,
-                args=(self._workers[d], actions[d]),
-                name=f"gpipe-device{d}",
-                daemon=True,
-            )
+        jobs = [
+            self.stages.threads.submit(d, partial(self._work, self._workers[d], actions[d]))
             for d in busy[1:]
         ]
-        for thread in threads:
-            thread.start()
         try:
             if busy:
                 self._work(self._workers[busy[0]], actions[busy[0]])
-            for thread in threads:
-                thread.join()
+            for job in jobs:
+                job.wait()
         except BaseException:  # e.g. Ctrl-C while waiting: stop every worker, then leave
             self.state.failed = True
             self.transport.abort()
-            for thread in threads:
-                thread.join()
+            for job in jobs:
+                job.wait()
             raise
         finally:
             self.state.context = None  # NOTE: the step outlives the run: keep no user modes
-        if self._error is not None:
+        error, self._error = self._error, None
+        if error is not None:
             self.state.saved.clear()
-            raise self._error
+            # NOTE: dropping the local breaks the cycle frame -> error -> traceback -> frame,
+            # so the pipe (and its threads) go as soon as the caller drops the exception.
+            try:
+                raise error
+            finally:
+                del error
 
     def _work(self, worker: StageWorker, actions: Sequence[Action]) -> None:
         try:
