@@ -6,9 +6,10 @@ import threading
 import time
 
 import pytest
+import torch
 
-from gpipe.runtime.mailbox import Mailbox
-from gpipe.runtime.transport import Aborted
+from gpipe.runtime.mailbox import LocalTransport, Mailbox
+from gpipe.runtime.transport import ACTIVATION, GRADIENT, Aborted
 
 
 def test_take_waits_for_its_own_tag_whatever_order_messages_arrive_in() -> None:
@@ -48,3 +49,19 @@ def test_abort_wakes_a_waiting_receiver_and_clear_readies_the_box_again() -> Non
     box.clear()
     box.put(("grad", 1, 1), 7)
     assert box.take(("grad", 1, 1)) == 7
+
+
+def test_messages_move_to_the_receivers_device_unless_sent_from_a_stage_already_there() -> None:
+    meta, cpu = torch.device("meta"), torch.device("cpu")
+    transport = LocalTransport((0, 1, 1), [meta, cpu])  # stage 0 on meta, stages 1-2 on cpu
+    x = torch.ones(2)
+    transport.send((ACTIVATION, 0, 0), x)  # from the caller's side to stage 0: moved
+    assert transport.recv((ACTIVATION, 0, 0)).device == meta
+    transport.send((GRADIENT, 0, 0), [x, None])  # stage 1 -> stage 0: cpu -> meta
+    grads = transport.recv((GRADIENT, 0, 0))
+    assert grads[0].device == meta and grads[1] is None
+    transport.send((ACTIVATION, 2, 0), x)  # stage 1 -> stage 2, both on cpu: as sent
+    assert transport.recv((ACTIVATION, 2, 0)) is x
+    sent = [x]
+    transport.send((GRADIENT, 1, 0), sent)  # stage 2 -> stage 1: as sent, too
+    assert transport.recv((GRADIENT, 1, 0)) is sent

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from gpipe.runtime.transport import Aborted, Tag, to_device
+from gpipe.runtime.transport import ACTIVATION, GRADIENT, Aborted, Tag, to_device
 
 __all__ = ["LocalTransport", "Mailbox"]
 
@@ -76,7 +76,7 @@ class LocalTransport:
     Args:
         placement: ``placement[s]`` is the device of model stage ``s``.
         devices: the ``torch.device`` of each pipeline device; tensors are moved there on
-            receipt.
+            receipt, unless they come from a stage on the same ``torch.device``.
     """
 
     def __init__(self, placement: tuple[int, ...], devices: list[torch.device]) -> None:
@@ -84,6 +84,16 @@ class LocalTransport:
         self._devices = devices
         self._boxes = [Mailbox() for _ in devices]
         self._caller = Mailbox()
+        # (kind, receiving stage) of the messages sent by a stage on the receiver's own
+        # torch.device. NOTE: those need no move, and skipping it saves a tensor op per
+        # message (one that releases the GIL, inviting a hand-off to another worker).
+        count = len(placement)
+        self._local = {
+            (kind, stage)
+            for stage in range(count)
+            for kind, sender in ((ACTIVATION, stage - 1), (GRADIENT, stage + 1))
+            if 0 <= sender < count and devices[placement[sender]] == devices[placement[stage]]
+        }
 
     def _box(self, stage: int) -> Mailbox:
         if 0 <= stage < len(self._placement):
@@ -103,6 +113,8 @@ class LocalTransport:
     def recv(self, tag: Tag) -> Any:
         """Wait for the message ``tag`` and return it on the receiving stage's device."""
         value = self._box(tag[1]).take(tag)
+        if (tag[0], tag[1]) in self._local:
+            return value
         return to_device(value, self._devices[self._placement[tag[1]]])
 
     def collect(self, tag: Tag) -> Any:
