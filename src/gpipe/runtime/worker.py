@@ -64,8 +64,10 @@ def _chained(counter: SavedBytes) -> tuple[Callable[[Any], Any], Callable[[Any],
 
 def _for_next_stage(value: Any) -> Any:
     """Detach outputs for the next stage; floating tensors there need gradients."""
+    # NOTE: the dtype's flags, not t.is_floating_point(): that call releases the GIL, and each
+    # release lets another worker's thread wake up for nothing.
     return map_tensors(
-        lambda t: t.detach().requires_grad_(t.is_floating_point() or t.is_complex()),
+        lambda t: t.detach().requires_grad_(t.dtype.is_floating_point or t.dtype.is_complex),
         value,
     )
 
