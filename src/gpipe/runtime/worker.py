@@ -92,7 +92,12 @@ def _versions(value: Any) -> Any:
     A lone tensor, the common case on every forward, skips the tree walk.
     """
     if isinstance(value, torch.Tensor):
-        return None if value.is_inference() else value._version
+        # NOTE: asking first (value.is_inference()) is a call that releases the GIL, twice per
+        # forward; an inference tensor's _version raises instead.
+        try:
+            return value._version
+        except RuntimeError:
+            return None
     return [_versions(leaf) for leaf in leaves(value) if isinstance(leaf, torch.Tensor)]
 
 
