@@ -27,8 +27,17 @@ __all__ = ["StageWorker"]
 
 
 def _as_leaves(value: Any) -> Any:
-    """Cut ``value``'s tensors from any graph, keeping whether they need a gradient."""
-    return map_tensors(lambda t: t.detach().requires_grad_(t.requires_grad), value)
+    """Cut ``value``'s tensors from any graph, keeping whether they need a gradient.
+
+    A tensor that already is a leaf stays as it is. NOTE: a message is a leaf made for its
+    receiver alone (``to_stage``, ``_for_next_stage``; without autograd, the sender's output,
+    which the sender does not keep) unless the transport moved it to another device;
+    detaching it again cost a detach and a freed tensor per forward, both calls that release
+    the GIL.
+    """
+    return map_tensors(
+        lambda t: t if t.is_leaf else t.detach().requires_grad_(t.requires_grad), value
+    )
 
 
 def _kept_bytes(inputs: Any) -> int:
