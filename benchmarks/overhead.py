@@ -125,6 +125,7 @@ def per_action(args: argparse.Namespace) -> dict[str, object]:
     for k in args.stages:
         runs: dict[str, dict[int, Callable[[], object]]] = {name: {} for name in _SCHEDULES}
         runs["plain"] = {}
+        pipes = []
         for m in counts:
             x, target = torch.randn(m, 4, requires_grad=True), torch.randn(m, 4)
             for name in _SCHEDULES:
@@ -136,6 +137,7 @@ def per_action(args: argparse.Namespace) -> dict[str, object]:
                     checkpoint="never",
                     schedule=name,
                 )
+                pipes.append(pipe)
                 runs[name][m] = lambda pipe=pipe, x=x, t=target: pipe.train_step(x, t, F.mse_loss)
             model = sleep_stages(k, args.action_ms, args.action_ms)
 
@@ -144,20 +146,25 @@ def per_action(args: argparse.Namespace) -> dict[str, object]:
                     (F.mse_loss(model(xi), ti) / len(x)).backward()
 
             runs["plain"][m] = plain
-        medians: dict[str, list[float]] = {name: [] for name in runs}
-        for m in counts:
-            times: dict[str, list[float]] = {name: [] for name in runs}
-            for name in runs:  # warm-up
+        times = {(name, m): [] for name in runs for m in counts}
+        for name, m in times:  # warm-up
+            runs[name][m]()
+        # NOTE: rounds over every (run, M), so a burst of machine noise lands on all of them
+        # alike instead of on one M's steps, which would tilt the fitted line.
+        for _ in range(args.fit_steps):
+            for (name, m), seconds in times.items():
+                began = time.perf_counter()
                 runs[name][m]()
-            for _ in range(args.fit_steps):  # interleaved, so machine noise hits all alike
-                for name in runs:
-                    began = time.perf_counter()
-                    runs[name][m]()
-                    times[name].append(time.perf_counter() - began)
-            for name in runs:
-                medians[name].append(statistics.median(times[name]))
+                seconds.append(time.perf_counter() - began)
+        for pipe in pipes:
+            pipe.close()
         c = {
-            name: _overhead(counts, medians[name], f + b, k if name == "plain" else 1)
+            name: _overhead(
+                counts,
+                [statistics.median(times[name, m]) for m in counts],
+                f + b,
+                k if name == "plain" else 1,
+            )
             for name in runs
         }
         if not args.no_torch:
@@ -198,7 +205,7 @@ def main() -> None:
     parser.add_argument(
         "--fit-microbatches", type=int, nargs="+", default=[8, 16, 24, 32], help="M to fit over"
     )
-    parser.add_argument("--fit-steps", type=int, default=7, help="steps per (K, M) in the fit")
+    parser.add_argument("--fit-steps", type=int, default=9, help="steps per (K, M) in the fit")
     parser.add_argument("--action-ms", type=float, default=0.5, help="F and B of each stage")
     args = parser.parse_args()
     overshoot = sleep_overshoot_us(args.action_ms / 1e3)

@@ -60,20 +60,28 @@ def _stage(rank: int, job: _Job, results: Any) -> None:
         model = job.factory(*job.factory_args)
         count = len(job.balance)
         held = [rank] if count == job.world else [rank, count - 1 - rank]
-        submodules, stages = [], []
+        submodules = []
         for index in held:
             start = sum(job.balance[:index])
-            submodule = nn.Sequential(*list(model)[start : start + job.balance[index]])
-            submodules.append(submodule)
-            stages.append(pipelining.PipelineStage(submodule, index, count, torch.device("cpu")))
+            submodules.append(nn.Sequential(*list(model)[start : start + job.balance[index]]))
         first, last = 0 in held, count - 1 in held
-        measured = {}
-        for microbatches, (x, target) in job.runs:
-            runner = getattr(pipelining, _SCHEDULES[job.schedule])(
+
+        def runner_for(microbatches: int) -> Any:
+            # NOTE: stages of its own: a schedule sizes its stages' buffers for its own M.
+            stages = [
+                pipelining.PipelineStage(submodule, index, count, torch.device("cpu"))
+                for submodule, index in zip(submodules, held)
+            ]
+            return getattr(pipelining, _SCHEDULES[job.schedule])(
                 stages[0] if len(stages) == 1 else stages, microbatches, loss_fn=job.loss_fn
             )
-            times = []
-            for _ in range(job.steps + 1):  # the first step warms up
+
+        runners = {microbatches: runner_for(microbatches) for microbatches, _ in job.runs}
+        measured: dict[int, list[float]] = {microbatches: [] for microbatches, _ in job.runs}
+        # NOTE: rounds over every M (the first warms up), so machine noise lands on all alike.
+        for _ in range(job.steps + 1):
+            for microbatches, (x, target) in job.runs:
+                runner = runners[microbatches]
                 dist.barrier()
                 began = time.perf_counter()
                 if first and last:
@@ -85,10 +93,10 @@ def _stage(rank: int, job: _Job, results: Any) -> None:
                 else:
                     runner.step()
                 dist.barrier()
-                times.append(time.perf_counter() - began)
+                measured[microbatches].append(time.perf_counter() - began)
                 for submodule in submodules:
                     submodule.zero_grad()
-            measured[microbatches] = times[1:]
+        measured = {microbatches: times[1:] for microbatches, times in measured.items()}
         if rank == 0:
             results.put(measured)
     finally:
