@@ -6,7 +6,9 @@ import copy
 import gc
 import pickle
 import threading
+from typing import Any
 
+import pytest
 import torch
 from torch.nn import functional as F
 
@@ -75,3 +77,23 @@ def test_a_copy_of_the_threads_starts_with_none_of_its_own() -> None:
     assert len(_workers()) == 1
     threads.close()
     assert not _workers()
+
+
+@pytest.mark.timeout(30)
+def test_a_thread_that_cannot_start_fails_the_step_without_leaving_a_worker_blocked(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    pipe = GPipe(make_mlp(), [4, 4, 8], chunks=4)
+    submit = DeviceThreads.submit
+
+    def fail_on_device2(self: DeviceThreads, device: int, work: Any) -> Any:
+        if device == 2:
+            raise RuntimeError("can't start new thread")
+        return submit(self, device, work)
+
+    monkeypatch.setattr(DeviceThreads, "submit", fail_on_device2)
+    with pytest.raises(RuntimeError, match="can't start new thread"):
+        _step(pipe)  # device 1 started and waits for device 2's messages: it must be woken
+    monkeypatch.undo()
+    assert torch.isfinite(_step(pipe))
+    pipe.close()

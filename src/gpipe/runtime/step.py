@@ -10,6 +10,7 @@ from gpipe.analysis import Timeline
 from gpipe.runtime.context import CallerContext
 from gpipe.runtime.stages import Stages
 from gpipe.runtime.state import StepState
+from gpipe.runtime.threads import Job
 from gpipe.runtime.transport import Aborted, Transport
 from gpipe.runtime.worker import StageWorker
 from gpipe.schedule import Action
@@ -66,16 +67,17 @@ class Step:
         if self.state.forward_context is None:
             self.state.forward_context = context.autocast_only()
         busy = [d for d in range(len(actions)) if actions[d]]
-        jobs = [
-            self.stages.threads.submit(d, partial(self._work, self._workers[d], actions[d]))
-            for d in busy[1:]
-        ]
+        jobs: list[Job] = []
         try:
+            for d in busy[1:]:
+                jobs.append(
+                    self.stages.threads.submit(d, partial(self._work, self._workers[d], actions[d]))
+                )
             if busy:
                 self._work(self._workers[busy[0]], actions[busy[0]])
             for job in jobs:
                 job.wait()
-        except BaseException:  # e.g. Ctrl-C while waiting: stop every worker, then leave
+        except BaseException:  # Ctrl-C while waiting, no thread to start: stop every worker
             self.state.failed = True
             self.transport.abort()
             for job in jobs:
