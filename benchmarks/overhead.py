@@ -1,11 +1,15 @@
 """The runtime's own cost, two ways: on one stage, and per action on K stages.
 
 One stage: one stage with chunks=M vs plain gradient accumulation. Both run the same tiny
-GPT over the same M micro-batches, forward and backward, without re-materialization; the
-ratio is what the pipeline machinery (messages, random streams, memory accounting) adds.
+GPT over the same M micro-batches, forward and backward, without re-materialization.
 torch.distributed.pipelining runs the same one-stage job in its own process for
-comparison. The pipe runs twice: as it comes (counting the bytes each micro-batch keeps for
-the timeline, a hook on every saved tensor) and with ``track_memory=False``.
+comparison. The pipe runs three times: as it comes (counting the bytes each micro-batch
+keeps for the timeline, a hook on every saved tensor), with ``track_memory=False``, and with
+the 1f1b schedule. GPipe's fill-drain keeps all M micro-batches' activations until the
+backward, where plain accumulation keeps one: more memory touched every step (thousands of
+page faults per step here), which the schedule costs, not the runtime. On one stage 1F1B
+runs F, B per micro-batch in plain accumulation's order, so its ratio is what the pipeline
+machinery (messages, random streams, memory accounting) adds.
 
 Per action: K SleepLayer stages of F = B = 0.5 ms (sleeps, like kernels, release the GIL),
 one sample per micro-batch, step time measured for several M and fitted by least squares
@@ -57,11 +61,13 @@ def one_stage(args: argparse.Namespace) -> dict[str, object]:
 
     pipe = GPipe(model, [len(model)], chunks=m, checkpoint="never")
     lean = GPipe(model, [len(model)], chunks=m, checkpoint="never", track_memory=False)
+    in_order = GPipe(model, [len(model)], chunks=m, checkpoint="never", schedule="1f1b")
 
     runs = {
         "plain": plain,
         "gpipe": lambda: pipe.train_step(ids, targets, gpt_loss),
         "untracked": lambda: lean.train_step(ids, targets, gpt_loss),
+        "1f1b": lambda: in_order.train_step(ids, targets, gpt_loss),
     }
     times: dict[str, list[float]] = {name: [] for name in runs}
     for name in runs:  # warm-up
@@ -75,8 +81,10 @@ def one_stage(args: argparse.Namespace) -> dict[str, object]:
     plain_ms = statistics.median(times["plain"]) * 1e3
     gpipe_ms = statistics.median(times["gpipe"]) * 1e3
     lean_ms = statistics.median(times["untracked"]) * 1e3
+    in_order_ms = statistics.median(times["1f1b"]) * 1e3
     print(f"plain gradient accumulation: {plain_ms:.2f} ms   gpipe, 1 stage: {gpipe_ms:.2f} ms"
-          f"   the same with track_memory=False: {lean_ms:.2f} ms")  # fmt: skip
+          f"   the same with track_memory=False: {lean_ms:.2f} ms"
+          f"   1f1b, 1 stage: {in_order_ms:.2f} ms")  # fmt: skip
     fields = {
         "microbatches": m,
         "plain_ms": f"{plain_ms:.2f}",
@@ -84,6 +92,8 @@ def one_stage(args: argparse.Namespace) -> dict[str, object]:
         "ratio": f"{gpipe_ms / plain_ms:.3f}",
         "untracked_ms": f"{lean_ms:.2f}",
         "ratio_untracked": f"{lean_ms / plain_ms:.3f}",
+        "onefoneb_ms": f"{in_order_ms:.2f}",
+        "ratio_1f1b": f"{in_order_ms / plain_ms:.3f}",
     }
     if not args.no_torch:
         torch_times = torch_reference.step_times(
