@@ -42,6 +42,9 @@ def _generator(name: str) -> torch.Generator:
 
 
 def _lock(name: str) -> threading.RLock:
+    lock = _locks.get(name)  # NOTE: no guard once made: this runs on every stage forward
+    if lock is not None:
+        return lock
     with _locks_guard:
         if name not in _locks:
             _locks[name] = threading.RLock()
@@ -144,7 +147,14 @@ class WorkerGenerators:
         """The states of the own and the shared generators, to compare later."""
         own = _states(self.own)
         # NOTE: shared ones are read under their locks, so a generator another worker
-        # holds seeded (and restores) is never seen half-way.
-        with _holding(self.shared):
+        # holds seeded (and restores) is never seen half-way. The locks are taken by hand,
+        # not with _holding's ExitStack, which was 40 % of this (twice per stage forward).
+        locks = [_lock(name) for name in self.shared]
+        for lock in locks:
+            lock.acquire()
+        try:
             shared = _states(self.shared)
+        finally:
+            for lock in reversed(locks):
+                lock.release()
         return own, shared
