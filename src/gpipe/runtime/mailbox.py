@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 import torch
@@ -34,7 +35,13 @@ class Mailbox:
         if waiter is not None:
             waiter.release()
 
-    def take(self, tag: Tag) -> Any:
+    def take(self, tag: Tag, timeout: float | None = None) -> Any:
+        """Wait for ``tag``'s message and take it.
+
+        Raises:
+            Aborted: the mailbox was aborted while waiting.
+            TimeoutError: nothing came within ``timeout`` seconds.
+        """
         with self._lock:
             if tag in self._items:
                 return self._items.pop(tag)
@@ -43,10 +50,15 @@ class Mailbox:
             waiter = threading.Lock()
             waiter.acquire()
             self._waiting[tag] = waiter
-        waiter.acquire()  # until put() or abort() releases it
+        # until put() or abort() releases it
+        arrived = waiter.acquire() if timeout is None else waiter.acquire(timeout=timeout)
         with self._lock:
             if tag in self._items:
+                self._waiting.pop(tag, None)
                 return self._items.pop(tag)
+            if not arrived and not self._aborted:
+                self._waiting.pop(tag, None)
+                raise TimeoutError(f"no message {tag} within {timeout:g} s")
         raise Aborted
 
     def take_ready(self, tag: Tag) -> Any:
@@ -121,8 +133,8 @@ class LocalTransport:
         """Take a message addressed to the caller (stage -1 or S) once a phase is over."""
         return self._caller.take_ready(tag)
 
-    def abort(self) -> None:
-        """Wake every waiting receiver with :class:`Aborted`."""
+    def abort(self, error: BaseException | None = None) -> None:
+        """Wake every waiting receiver with :class:`Aborted` (``error`` needs no report here)."""
         for box in self._boxes:
             box.abort()
         self._caller.abort()

@@ -77,9 +77,9 @@ class Step:
                 self._work(self._workers[busy[0]], actions[busy[0]])
             for job in jobs:
                 job.wait()
-        except BaseException:  # Ctrl-C while waiting, no thread to start: stop every worker
+        except BaseException as error:  # Ctrl-C while waiting, no thread to start: stop all
             self.state.failed = True
-            self.transport.abort()
+            self.transport.abort(error)
             for job in jobs:
                 job.wait()
             raise
@@ -105,7 +105,7 @@ class Step:
                 if self._error is None:
                     self._error = _annotate(exc)
             self.state.failed = True
-            self.transport.abort()
+            self.transport.abort(exc)
 
     def timeline(self, schedule: str) -> Timeline:
         """What ran so far, per device, in seconds from the step's start.

@@ -48,8 +48,8 @@ class Transport(Protocol):
     def collect(self, tag: Tag) -> Any:
         """Take a message addressed to the caller's side (stage -1 or S) after a phase."""
 
-    def abort(self) -> None:
-        """Wake every waiting receiver with :class:`Aborted`."""
+    def abort(self, error: BaseException | None = None) -> None:
+        """Wake every waiting receiver with :class:`Aborted`; ``error`` is what failed."""
 
 
 def to_device(value: Any, device: torch.device) -> Any:

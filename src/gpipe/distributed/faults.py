@@ -1,0 +1,159 @@
+"""The fault channel: a rank that fails says so in the c10d store, and every rank hears it.
+
+A rank whose stage raises (or is interrupted) publishes what failed: its rank, stage,
+micro-batch, action and the error. Every rank watches for that record while it runs (a
+daemon thread polls the store every ``poll`` seconds) and, on seeing it, wakes its own waiting
+worker with a :class:`PipelineFailure` naming the failing rank. So one rank's error ends every
+rank within a fraction of a second, whoever launched the processes (torchrun, mp.spawn,
+SLURM, or by hand), and no rank waits for a message that will never come.
+
+The store is torch.distributed's own (the one the process group was initialized with).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from gpipe.runtime.transport import Aborted
+
+__all__ = ["Failure", "FaultChannel", "PipelineFailure"]
+
+
+@dataclass(frozen=True)
+class Failure:
+    """What failed, where: enough for every rank to say it in one line."""
+
+    rank: int
+    error: str
+    stage: int | None = None
+    microbatch: int | None = None
+    action: str | None = None
+
+    def describe(self) -> str:
+        if self.rank < 0:
+            return self.error
+        where = f"rank {self.rank}"
+        if self.action is not None:
+            where += f" (stage {self.stage}, micro-batch {self.microbatch}, action {self.action})"
+        return f"{where} failed: {self.error}"
+
+
+class PipelineFailure(Aborted, RuntimeError):
+    """Raised on every rank of a distributed pipe when one rank fails or vanishes.
+
+    It is an :class:`~gpipe.runtime.transport.Aborted`: a worker that meets it stops as it
+    would for a failure of another worker in its own process.
+
+    Attributes:
+        failure: what failed, on which rank, stage, micro-batch and action.
+    """
+
+    def __init__(self, failure: Failure, seen_by: int) -> None:
+        super().__init__(f"gpipe: {failure.describe()} [seen by rank {seen_by}]")
+        self.failure = failure
+
+
+class FaultChannel:
+    """Publish this rank's failure; hear any rank's.
+
+    Args:
+        store: the c10d store every rank shares.
+        prefix: keys are ``prefix + "/failure"``: one per pipe, so pipes never mix.
+        rank: this rank.
+        on_failure: called (in the watcher thread) with the first failure any rank reports.
+        poll: seconds between looks at the store.
+    """
+
+    def __init__(
+        self,
+        store: Any,
+        prefix: str,
+        rank: int,
+        on_failure: Callable[[Failure], None],
+        poll: float = 0.1,
+    ) -> None:
+        self._store = store
+        self._key = f"{prefix}/failure"
+        self._rank = rank
+        self._on_failure = on_failure
+        self._poll = poll
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self.failure: Failure | None = None
+        self._thread = threading.Thread(
+            target=self._watch, name=f"gpipe-faults-rank{rank}", daemon=True
+        )
+        self._thread.start()
+
+    def publish(self, failure: Failure) -> Failure:
+        """Report ``failure`` unless another rank already reported one; return the first.
+
+        NOTE: compare_set makes the first report win, so every rank names the same cause
+        even when a failure on one rank makes its neighbours fail too.
+        """
+        payload = json.dumps(asdict(failure)).encode()
+        try:
+            first = self._store.compare_set(self._key, b"", payload)
+            winner = _load(first) if first else failure
+        except Exception:  # the store itself is gone (its host died): keep our own account
+            winner = failure
+        self._heard(winner)
+        return winner
+
+    def check(self) -> Failure | None:
+        """The failure reported so far, if any (asks the store once).
+
+        NOTE: a store that cannot be reached is not a failure by itself: launched by hand,
+        rank 0 hosts it and may simply have finished first. If rank 0 died instead, the
+        ranks it talks to see their links to it break, and report that.
+        """
+        if self.failure is None:
+            try:
+                if self._store.check([self._key]):
+                    self._heard(_load(self._store.get(self._key)))
+            except Exception:
+                self._stop.set()
+        return self.failure
+
+    def acknowledge(self, ranks: int, grace: float = 2.0) -> None:
+        """Say this rank heard the failure; wait (``grace`` s at most) until all ``ranks`` did.
+
+        NOTE: launched by hand, the store lives in rank 0's process; a rank still blocked in
+        a collective when the failing rank exits can only learn the cause from the store, so
+        no rank leaves before every rank has heard (or the grace runs out: a dead rank never
+        acknowledges).
+        """
+        key = f"{self._key}/heard"
+        deadline = time.monotonic() + grace
+        try:
+            count = self._store.add(key, 1)
+            while count < ranks and time.monotonic() < deadline:
+                time.sleep(0.02)
+                count = self._store.add(key, 0)
+        except Exception:
+            return
+
+    def close(self) -> None:
+        """Stop watching (the thread ends within one poll)."""
+        self._stop.set()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self._poll):
+            if self.check() is not None:
+                return
+
+    def _heard(self, failure: Failure) -> None:
+        with self._lock:
+            if self.failure is not None:
+                return
+            self.failure = failure
+        self._on_failure(failure)
+
+
+def _load(payload: bytes) -> Failure:
+    return Failure(**json.loads(payload.decode()))

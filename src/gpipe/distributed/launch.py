@@ -1,0 +1,66 @@
+"""Joining the job: a process group from the launcher's environment (torchrun, SLURM)."""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["device", "init"]
+
+_NEEDED = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+# SLURM's names for what torchrun sets, for `srun python train.py` without torchrun.
+_SLURM = {"RANK": "SLURM_PROCID", "WORLD_SIZE": "SLURM_NTASKS", "LOCAL_RANK": "SLURM_LOCALID"}
+
+
+def init(
+    backend: str | None = None, *, timeout: float | datetime.timedelta = 300.0
+) -> tuple[int, int]:
+    """Join the job: ``init_process_group`` from the environment torchrun (or SLURM) sets.
+
+    torchrun sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT. Under ``srun``
+    without torchrun, RANK, WORLD_SIZE and LOCAL_RANK come from SLURM_PROCID, SLURM_NTASKS
+    and SLURM_LOCALID; MASTER_ADDR and MASTER_PORT must still be set (see
+    docs/distributed.md). With CUDA, each rank takes ``cuda:LOCAL_RANK`` and NCCL; without,
+    gloo on the CPU. Calling it again returns the same answer.
+
+    Args:
+        backend: "gloo" or "nccl"; by default NCCL when CUDA is present, else gloo.
+        timeout: seconds (or a timedelta) a collective may wait before failing.
+
+    Returns:
+        ``(rank, world_size)``.
+
+    Raises:
+        RuntimeError: the launcher's variables are missing (the message says how to launch).
+    """
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    for name, slurm in _SLURM.items():
+        if name not in os.environ and slurm in os.environ:
+            os.environ[name] = os.environ[slurm]
+    missing = [name for name in _NEEDED if name not in os.environ]
+    if missing:
+        raise RuntimeError(
+            f"gpipe.distributed.init() found no {', '.join(missing)} in the environment: "
+            "launch with torchrun, e.g. `torchrun --nproc-per-node 4 train.py`, or under "
+            "SLURM with MASTER_ADDR and MASTER_PORT exported (see docs/distributed.md)"
+        )
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(device())
+    if not isinstance(timeout, datetime.timedelta):
+        timeout = datetime.timedelta(seconds=timeout)
+    dist.init_process_group(backend, timeout=timeout)
+    return dist.get_rank(), dist.get_world_size()
+
+
+def device() -> torch.device:
+    """This rank's device: ``cuda:LOCAL_RANK`` with CUDA, else the CPU."""
+    if torch.cuda.is_available() and torch.cuda.device_count():
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        return torch.device("cuda", local % torch.cuda.device_count())
+    return torch.device("cpu")

@@ -1,0 +1,378 @@
+"""The point-to-point transport: stage messages between processes over torch.distributed.
+
+Each pair of ranks has one channel per direction, a FIFO in the *sender's* order: the sender
+sends a small header (step, signature number, tag), the signature the first time it uses
+that number, then the tensors, all with ``isend``; it never waits for them (a completion
+thread does). On the receiving rank, one thread per sending peer keeps a receive posted
+ahead: it reads each header as it comes, posts the receives for that message's tensors,
+and files the finished message in the rank's mailbox under its tag. The worker takes
+messages by tag, in whatever order its actions need them. So the two sides of a pair always
+agree on the order (NCCL, which has no tags, needs exactly that) and no schedule can make
+them swap micro-batches; a receive is under way before the action that needs it starts;
+and a send never stalls the stage that made it.
+
+Nothing here blocks the worker in torch.distributed: it waits only on its mailbox, which a
+failure anywhere (this rank, a peer, a vanished process, a timeout) wakes at once.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from gpipe.distributed.faults import Failure, PipelineFailure
+from gpipe.distributed.wire import Signature, decode, encode, flatten, rebuild, receive_buffers
+from gpipe.runtime.mailbox import Mailbox
+from gpipe.runtime.transport import ACTIVATION, GRADIENT, Aborted, Tag
+
+__all__ = ["P2PTransport", "Transfer"]
+
+_KINDS = {ACTIVATION: 0, GRADIENT: 1}
+_KIND_NAMES = {code: kind for kind, code in _KINDS.items()}
+_HEADER = 6  # step, signature number, signature bytes (0 if known), kind, stage, micro-batch
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One message received from another rank, as the timeline shows it.
+
+    Times are this rank's ``perf_counter_ns``: ``posted`` when its header arrived and the
+    receives for its tensors were posted, ``done`` when its tensors had arrived.
+    """
+
+    tag: Tag
+    source: int
+    posted_ns: int
+    done_ns: int
+    nbytes: int
+
+
+@dataclass
+class _Outbound:
+    """The sending side of one channel: the signatures already numbered on it."""
+
+    numbers: dict[Any, int] = field(default_factory=dict)
+
+
+class P2PTransport:
+    """Carries one rank's messages to and from the ranks holding the other stages.
+
+    Args:
+        placement: ``placement[s]``: the pipeline device (pipeline rank) of stage ``s``.
+        device: this rank's pipeline device.
+        ranks: ``ranks[d]``: the global rank of pipeline device ``d``.
+        torch_device: where this rank's stages run; received tensors land there.
+        group: the process group carrying tensors (gloo or NCCL).
+        control: the process group carrying headers and signatures (gloo, CPU).
+        timeout: seconds to wait for one message before declaring its sender lost.
+        report: called with this rank's failure, to tell the other ranks (the fault
+            channel); returns the failure every rank will name.
+    """
+
+    def __init__(
+        self,
+        placement: tuple[int, ...],
+        device: int,
+        ranks: list[int],
+        torch_device: torch.device,
+        group: Any,
+        control: Any,
+        timeout: float,
+        report: Callable[[Failure], Failure],
+    ) -> None:
+        self._placement = placement
+        self._device = device
+        self._ranks = ranks
+        self._rank = ranks[device]
+        self._torch_device = torch_device
+        self._group = group
+        self._control = control
+        self._timeout = timeout
+        self._report = report
+        self._box = Mailbox()
+        self._step = 0
+        self._outbound: dict[int, _Outbound] = {}
+        self._inbound: dict[int, _Inbound] = {}
+        self._sends = _Completion(timeout)
+        self.failure: Failure | None = None
+        self.transfers: list[Transfer] = []
+
+    # -- the Transport protocol --------------------------------------------------------
+
+    def reset(self) -> None:
+        """A new step: an empty mailbox, no transfers recorded yet."""
+        if self.failure is not None:
+            raise PipelineFailure(self.failure, self._rank)
+        self._box.clear()
+        self._step += 1
+        self.transfers = []
+
+    def send(self, tag: Tag, value: Any) -> None:
+        """Deliver ``value``: to this rank's mailbox, or to the rank holding its stage."""
+        device = self._device_of(tag[1])
+        if device == self._device:
+            self._box.put(tag, value)
+            return
+        self._send_remote(self._ranks[device], tag, value)
+
+    def recv(self, tag: Tag) -> Any:
+        """Wait for the message ``tag``: it is local, or a receiver thread files it.
+
+        Raises:
+            PipelineFailure: a rank failed or vanished, or nothing came within the timeout.
+        """
+        try:
+            return self._box.take(tag, self._timeout)
+        except Aborted:
+            assert self.failure is not None
+            raise PipelineFailure(self.failure, self._rank) from None
+        except TimeoutError:
+            sender = self._sender_of(tag)
+            failure = self.fail(
+                Failure(
+                    sender,
+                    f"rank {self._rank} got no {tag[0]} for stage {tag[1]}, micro-batch "
+                    f"{tag[2]} from rank {sender} within {self._timeout:g} s: that rank died, "
+                    "hung, or is not running the same pipe",
+                )
+            )
+            raise PipelineFailure(failure, self._rank) from None
+
+    def collect(self, tag: Tag) -> Any:
+        """Take a message for the caller's side that must already be here."""
+        return self._box.take_ready(tag)
+
+    def abort(self, error: BaseException | None = None) -> None:
+        """This rank failed (``error``): tell every rank, and wake this rank's worker."""
+        if isinstance(error, PipelineFailure):  # heard from elsewhere: already reported
+            self._heard(error.failure)
+            return
+        action = getattr(error, "gpipe_action", None)
+        text = "interrupted" if error is None else f"{type(error).__name__}: {error}"
+        self.fail(
+            Failure(
+                self._rank,
+                text.split("\n")[0],
+                stage=None if action is None else action.stage,
+                microbatch=None if action is None else action.microbatch,
+                action=None if action is None else str(action),
+            )
+        )
+
+    # -- distributed only --------------------------------------------------------------
+
+    def expect(self, counts: dict[int, int]) -> None:
+        """Receive this step's messages: ``counts[rank]`` from each sending rank.
+
+        Each peer's receiver thread starts on them at once, so a message is received as soon
+        as it is sent, before the action that needs it asks for it.
+        """
+        for rank, count in counts.items():
+            if count:
+                if rank not in self._inbound:
+                    self._inbound[rank] = _Inbound(self, rank)
+                self._inbound[rank].jobs.put((self._step, count))
+
+    def finish(self) -> None:
+        """Wait until every send of this step has been received (or a failure).
+
+        Raises:
+            PipelineFailure: a rank failed, or a send did not complete within the timeout.
+        """
+        try:
+            self._sends.drain(lambda: self.failure is not None)
+        except TimeoutError as error:
+            self.fail(Failure(self._rank, f"a send did not complete: {error}"))
+        if self.failure is not None:
+            raise PipelineFailure(self.failure, self._rank)
+
+    def fail(self, failure: Failure) -> Failure:
+        """Record ``failure`` (reported to every rank), wake the worker; return the first."""
+        if self.failure is None:
+            failure = self._report(failure)
+        self._heard(failure)
+        assert self.failure is not None
+        return self.failure
+
+    def close(self) -> None:
+        """Stop the receiver threads between steps."""
+        for inbound in self._inbound.values():
+            inbound.jobs.put(None)
+        self._sends.close()
+
+    # -- pieces ------------------------------------------------------------------------
+
+    def _heard(self, failure: Failure) -> None:
+        if self.failure is None:
+            self.failure = failure
+        self._box.abort()
+
+    def _device_of(self, stage: int) -> int:
+        if 0 <= stage < len(self._placement):
+            return self._placement[stage]
+        return self._device  # the caller's side: inputs and outputs stay on this rank
+
+    def _sender_of(self, tag: Tag) -> int:
+        kind, stage, _ = tag
+        source = stage - 1 if kind == ACTIVATION else stage + 1
+        return self._ranks[self._device_of(source)]
+
+    def _send_remote(self, peer: int, tag: Tag, value: Any) -> None:
+        signature, tensors = flatten(value)
+        outbound = self._outbound.setdefault(peer, _Outbound())
+        key = _signature_key(signature)
+        number = outbound.numbers.get(key)
+        encoded = None
+        if number is None:
+            number = outbound.numbers[key] = len(outbound.numbers)
+            encoded = encode(signature)
+        kind, stage, microbatch = tag
+        size = 0 if encoded is None else encoded.numel()
+        header = torch.tensor(
+            [self._step, number, size, _KINDS[kind], stage, microbatch], dtype=torch.int64
+        )
+        try:
+            works = [dist.isend(header, peer, group=self._control)]
+            if encoded is not None:
+                works.append(dist.isend(encoded, peer, group=self._control))
+            works += [dist.isend(t, peer, group=self._group) for t in tensors]
+        except Exception as error:  # the link is already broken
+            failure = self.fail(_link_lost(self._rank, peer, error))
+            raise PipelineFailure(failure, self._rank) from None
+        self._sends.add(works, (header, encoded, tensors))
+
+
+class _Inbound:
+    """One sending peer's messages, received in its order by a thread of their own."""
+
+    def __init__(self, transport: P2PTransport, peer: int) -> None:
+        self.transport = transport
+        self.peer = peer
+        self.jobs: queue.Queue[tuple[int, int] | None] = queue.Queue()
+        self.signatures: dict[int, Signature] = {}
+        self.thread = threading.Thread(
+            target=self._run, name=f"gpipe-recv-from-rank{peer}", daemon=True
+        )
+        self.thread.start()
+
+    def _run(self) -> None:
+        transport = self.transport
+        while (job := self.jobs.get()) is not None:
+            step, count = job
+            for _ in range(count):
+                try:
+                    tag, value, transfer = self._receive(step)
+                except Exception as error:
+                    transport.fail(_link_lost(transport._rank, self.peer, error))
+                    return
+                transport.transfers.append(transfer)
+                transport._box.put(tag, value)
+
+    def _receive(self, step: int) -> tuple[Tag, Any, Transfer]:
+        transport = self.transport
+        header = torch.empty(_HEADER, dtype=torch.int64)
+        _wait(dist.irecv(header, self.peer, group=transport._control))
+        sent_step, number, size, kind, stage, microbatch = header.tolist()
+        if sent_step != step:
+            raise RuntimeError(
+                f"rank {self.peer} sent a message of step {sent_step} during step {step}: "
+                "the ranks are not running the same steps"
+            )
+        if size:
+            data = torch.empty(size, dtype=torch.uint8)
+            _wait(dist.irecv(data, self.peer, group=transport._control))
+            self.signatures[number] = decode(data)
+        signature = self.signatures[number]
+        posted = time.perf_counter_ns()
+        buffers = receive_buffers(signature, transport._torch_device)
+        for work in [dist.irecv(b, self.peer, group=transport._group) for b in buffers]:
+            _wait(work)
+        done = time.perf_counter_ns()
+        tag = (_KIND_NAMES[kind], stage, microbatch)
+        nbytes = sum(b.numel() * b.element_size() for b in buffers)
+        return tag, rebuild(signature, buffers), Transfer(tag, self.peer, posted, done, nbytes)
+
+
+class _Completion:
+    """Sends in flight, waited for in order by a thread, so no worker ever waits on one."""
+
+    def __init__(self, timeout: float) -> None:
+        self._timeout = timeout
+        self._pending: queue.Queue[tuple[list[Any], Any] | None] = queue.Queue()
+        self._open = 0
+        self._done = threading.Condition()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="gpipe-sends", daemon=True)
+        self._thread.start()
+
+    def add(self, works: list[Any], keep: Any) -> None:
+        """Track ``works``; ``keep`` holds their tensors alive until they complete."""
+        with self._done:
+            self._open += 1
+        self._pending.put((works, keep))
+
+    def drain(self, failed: Callable[[], bool]) -> None:
+        """Wait for every send so far, or until ``failed()``.
+
+        Raises:
+            TimeoutError: sends still open after the timeout.
+        """
+        deadline = time.monotonic() + self._timeout
+        with self._done:
+            while self._open and self._error is None and not failed():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"{self._open} sends still open after {self._timeout:g} s")
+                self._done.wait(min(left, 0.1))
+            if self._error is not None:
+                raise TimeoutError(str(self._error))
+
+    def close(self) -> None:
+        self._pending.put(None)
+
+    def _run(self) -> None:
+        while (item := self._pending.get()) is not None:
+            works, _ = item
+            try:
+                for work in works:
+                    work.wait()
+            except Exception as error:
+                with self._done:
+                    self._error = error
+                    self._done.notify_all()
+                return
+            with self._done:
+                self._open -= 1
+                self._done.notify_all()
+
+
+def _wait(work: Any) -> None:
+    if work is None:  # NOTE: torch returns None for a rank outside the group: a bug of ours
+        raise RuntimeError("point-to-point message outside the pipe's process group")
+    work.wait()
+
+
+def _link_lost(rank: int, peer: int, error: BaseException) -> Failure:
+    text = str(error).splitlines()[0] if str(error) else type(error).__name__
+    return Failure(
+        peer,
+        f"rank {rank} lost its link to rank {peer} ({text}): that rank died, hung past the "
+        "timeout, or its network failed",
+    )
+
+
+def _signature_key(signature: Signature) -> Any:
+    """A hashable stand-in for ``signature`` (its values may not be hashable)."""
+    try:
+        key = (repr(signature.spec), signature.leaves)
+        hash(key)
+        return key
+    except TypeError:
+        return encode(signature).numpy().tobytes()

@@ -1,0 +1,111 @@
+"""The wire format: a message's signature travels once, then only its tensors move.
+
+A message is a pytree of tensors and other values (a stage's output, or the gradients of its
+inputs). Its *signature* is everything but the tensors' contents: the tree's structure, each
+tensor's shape, dtype and ``requires_grad``, and the non-tensor leaves themselves. A sender
+numbers each new signature on its channel and sends it once; after that a message is its
+signature's number and its tensors. Both sides keep the numbering, so a channel whose shapes
+do not change (the usual case) never sends a signature again.
+
+The tree's structure travels as torch's own pytree serialization (``treespec_dumps``); the
+leaf descriptions and non-tensor values are pickled, as torch.distributed's object
+collectives (``send_object_list``) do: they travel only between the ranks of one job.
+Non-tensor leaves must be picklable; a namedtuple must be registered with pytree.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+__all__ = ["Signature", "decode", "encode", "flatten", "rebuild", "receive_buffers"]
+
+# A leaf: ("t", shape, dtype, requires_grad) for a tensor, ("v", value) for anything else.
+Leaf = tuple[Any, ...]
+
+
+@dataclass(frozen=True)
+class Signature:
+    """What a receiver must know to take a message's tensors and rebuild the message."""
+
+    spec: pytree.TreeSpec
+    leaves: tuple[Leaf, ...]
+
+    @property
+    def tensors(self) -> list[Leaf]:
+        """The tensor leaves, in the order their contents travel."""
+        return [leaf for leaf in self.leaves if leaf[0] == "t"]
+
+
+def flatten(value: Any) -> tuple[Signature, list[torch.Tensor]]:
+    """Split ``value`` into its signature and its tensors (contiguous, ready to send)."""
+    flat, spec = pytree.tree_flatten(value)
+    leaves: list[Leaf] = []
+    tensors: list[torch.Tensor] = []
+    for leaf in flat:
+        if isinstance(leaf, torch.Tensor):
+            leaves.append(("t", tuple(leaf.shape), leaf.dtype, leaf.requires_grad))
+            tensors.append(leaf.detach().contiguous())
+        else:
+            leaves.append(("v", leaf))
+    return Signature(spec, tuple(leaves)), tensors
+
+
+def encode(signature: Signature) -> torch.Tensor:
+    """The signature as a uint8 tensor, to send on a channel the first time it is used.
+
+    Raises:
+        TypeError: a non-tensor leaf cannot be pickled, so it cannot cross processes.
+    """
+    buffer = io.BytesIO()
+    try:
+        structure = pytree.treespec_dumps(signature.spec)
+    except (NotImplementedError, TypeError) as error:
+        raise TypeError(
+            f"a stage boundary carries a structure torch cannot describe to another process: "
+            f"{error}"
+        ) from error
+    try:
+        pickle.dump((structure, signature.leaves), buffer, protocol=pickle.HIGHEST_PROTOCOL)
+    except (pickle.PicklingError, TypeError, AttributeError) as error:
+        values = [type(leaf[1]).__name__ for leaf in signature.leaves if leaf[0] == "v"]
+        raise TypeError(
+            f"a stage boundary carries values that cannot be pickled ({', '.join(values)}), so "
+            "they cannot travel between processes; pass tensors, numbers, strings or other "
+            f"picklable values across stages ({error})"
+        ) from error
+    return torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+
+
+def decode(data: torch.Tensor) -> Signature:
+    """The signature :func:`encode` made (from a rank of the same job)."""
+    structure, leaves = pickle.loads(data.numpy().tobytes())
+    return Signature(pytree.treespec_loads(structure), leaves)
+
+
+def receive_buffers(signature: Signature, device: torch.device) -> list[torch.Tensor]:
+    """Empty tensors to receive a message's contents into, on ``device``."""
+    return [
+        torch.empty(shape, dtype=dtype, device=device) for _, shape, dtype, _ in signature.tensors
+    ]
+
+
+def rebuild(signature: Signature, tensors: list[torch.Tensor]) -> Any:
+    """The message: ``signature``'s tree with ``tensors`` (received) in its tensor leaves.
+
+    Tensors that needed a gradient on the sending side need one here too: they are the
+    leaves this stage's backward differentiates with respect to.
+    """
+    received = iter(tensors)
+    flat = []
+    for leaf in signature.leaves:
+        if leaf[0] == "t":
+            flat.append(next(received).requires_grad_(leaf[3]))
+        else:
+            flat.append(leaf[1])
+    return pytree.tree_unflatten(flat, signature.spec)

@@ -1,0 +1,287 @@
+"""What the ranks of a multi-process test run: each function runs on every rank.
+
+Each compares a DistributedGPipe with plain PyTorch on the same model and batch, computed by
+every rank itself (the model is built from a seed), and returns the largest differences, so
+the test process asserts on numbers that could fail.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import gpipe.distributed as gd
+
+WIDTH = 6
+
+
+def mlp(layers: int = 8, *, dropout: float = 0.0) -> nn.Sequential:
+    torch.manual_seed(0)
+    blocks: list[nn.Module] = []
+    for _ in range(layers):
+        blocks += [nn.Linear(WIDTH, WIDTH), nn.Tanh()]
+        if dropout:
+            blocks.append(nn.Dropout(dropout))
+    return nn.Sequential(*blocks).double()
+
+
+class Split(nn.Module):
+    """x -> {"h": Linear(x), "skip": x * scale, "note": a string}: a dict crossing a cut."""
+
+    def __init__(self, scale: float) -> None:
+        super().__init__()
+        self.linear = nn.Linear(WIDTH, WIDTH)
+        self.scale = scale
+
+    def forward(self, x: torch.Tensor) -> dict[str, Any]:
+        return {"h": self.linear(x), "skip": x * self.scale, "note": "from split", "n": 3}
+
+
+class Merge(nn.Module):
+    """The dict back to a tensor; checks the non-tensor values arrived."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, d: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        assert d["note"] == "from split" and d["n"] == 3, d
+        return torch.tanh(self.linear(d["h"])), d["skip"]
+
+
+class Join(nn.Module):
+    """A tuple of two tensors -> one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, pair: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        h, skip = pair
+        return self.linear(h + skip)
+
+
+class TupleIn(nn.Module):
+    """The model input is a tuple (x, a non-tensor scale)."""
+
+    def forward(self, pair: tuple[torch.Tensor, float]) -> torch.Tensor:
+        x, scale = pair
+        return x * scale
+
+
+def structured() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        TupleIn(), Split(0.5), Merge(), Join(), nn.Linear(WIDTH, WIDTH), nn.Tanh()
+    ).double()
+
+
+def _diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.detach().double().cpu() - b.detach().double().cpu()).abs().max())
+
+
+def _reference(
+    build: Callable[[], nn.Sequential], x: Any, y: torch.Tensor, loss_fn: Callable
+) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
+    model = build()
+    out = model(x)
+    loss = loss_fn(out, y)
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}, out.detach()
+
+
+def _compare(
+    pipe: gd.DistributedGPipe, model: nn.Sequential, loss: torch.Tensor, ref: Any
+) -> dict[str, float]:
+    ref_loss, ref_grads, _ = ref
+    diffs = {"loss": _diff(loss, ref_loss), "grad": 0.0, "checked": 0.0}
+    for name, param in model.named_parameters():
+        if param.device.type == "meta":
+            continue
+        assert param.grad is not None, f"{name} held by rank {dist.get_rank()} has no grad"
+        diffs["grad"] = max(diffs["grad"], _diff(param.grad, ref_grads[name]))
+        diffs["checked"] += 1
+    return diffs
+
+
+def parity(schedules: list[str], checkpoints: list[str], chunks: list[int], batch: int) -> Any:
+    """Every schedule x checkpoint x chunk count: loss and this rank's gradients vs plain."""
+    world = dist.get_world_size()
+    results: dict[str, Any] = {}
+    torch.manual_seed(1)
+    x = torch.randn(batch, WIDTH, dtype=torch.float64)
+    y = torch.randn(batch, WIDTH, dtype=torch.float64)
+    loss_fn = nn.functional.mse_loss
+    ref = _reference(mlp, x, y, loss_fn)
+    for schedule in schedules:
+        v = 2 if schedule == "interleaved" else 1
+        for checkpoint in checkpoints:
+            for m in chunks:
+                model = mlp()
+                pipe = gd.DistributedGPipe(
+                    model,
+                    chunks=m,
+                    schedule=schedule,
+                    checkpoint=checkpoint,
+                    virtual_stages=v,
+                    timeout=30,
+                )
+                loss = pipe.train_step(x, y, loss_fn)
+                key = f"{schedule}/{checkpoint}/M={m}/K={world}"
+                results[key] = _compare(pipe, model, loss, ref)
+                out = pipe.eval_step(x)
+                results[key]["eval"] = -1.0 if out is None else _diff(out, ref[2])
+                pipe.close()
+    return results
+
+
+def structures(schedule: str) -> Any:
+    """Tuple and dict inputs, non-tensor values, a changing sequence length, uneven batch."""
+    torch.manual_seed(2)
+    results: dict[str, Any] = {}
+    loss_fn = nn.functional.mse_loss
+    model = structured()
+    pipe = gd.DistributedGPipe(model, chunks=3, schedule=schedule, timeout=30)
+    for step, (batch, length) in enumerate([(7, 5), (7, 3), (4, 5)]):
+        x = torch.randn(batch, length, WIDTH, dtype=torch.float64)
+        y = torch.randn(batch, length, WIDTH, dtype=torch.float64)
+        ref = _reference(structured, (x, 2.0), y, loss_fn)
+        for p in model.parameters():
+            p.grad = None
+        loss = pipe.train_step((x, 2.0), y, loss_fn)
+        results[f"step{step}/B={batch}/T={length}"] = _compare(pipe, model, loss, ref)
+    pipe.close()
+    return results
+
+
+def dropout_bitwise(balance: list[int]) -> Any:
+    """Gradients with dropout, to compare bitwise with the local GPipe in the test process."""
+    model = mlp(4, dropout=0.3)
+    pipe = gd.DistributedGPipe(model, balance, chunks=4, schedule="1f1b", timeout=30)
+    torch.manual_seed(7)
+    x = torch.randn(8, WIDTH, dtype=torch.float64)
+    y = torch.randn(8, WIDTH, dtype=torch.float64)
+    loss = pipe.train_step(x, y, nn.functional.mse_loss)
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.device.type != "meta"}
+    pipe.close()
+    return {"loss": loss.cpu(), "grads": grads}
+
+
+def meta_init() -> Any:
+    """A model built on meta and initialized by init_fn equals one built normally."""
+
+    def init_fn(module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            generator = torch.Generator().manual_seed(module.in_features * 1000 + 7)
+            with torch.no_grad():
+                module.weight.copy_(torch.randn(module.weight.shape, generator=generator))
+                module.bias.copy_(torch.randn(module.bias.shape, generator=generator))
+
+    def build() -> nn.Sequential:
+        return nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(4)]).double()
+
+    with torch.device("meta"):
+        model = build()
+    pipe = gd.DistributedGPipe(model, chunks=2, init_fn=init_fn, timeout=30)
+    plain = build()
+    plain.apply(init_fn)
+    torch.manual_seed(3)
+    x = torch.randn(4, WIDTH, dtype=torch.float64)
+    y = torch.randn(4, WIDTH, dtype=torch.float64)
+    loss = pipe.train_step(x, y, nn.functional.mse_loss)
+    ref = nn.functional.mse_loss(plain(x), y)
+    ref.backward()
+    materialized = [p.device.type for p in model.parameters()]
+    diffs = {"loss": _diff(loss, ref), "grad": 0.0}
+    for p, q in zip(model.parameters(), plain.parameters()):
+        if p.device.type != "meta":
+            diffs["grad"] = max(diffs["grad"], _diff(p.grad, q.grad))
+    pipe.close()
+    return {"diffs": diffs, "devices": materialized}
+
+
+def fail_at(rank: int, step: int, steps: int = 6) -> Any:
+    """Rank ``rank`` raises inside its stage at ``step``; everyone else must end, fast."""
+    me = dist.get_rank()
+
+    class Bomb(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.calls = 0
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.calls += 1
+            if me == rank and self.calls == step * 2:  # 2 micro-batches per step
+                raise ValueError(f"boom on rank {me}")
+            return x
+
+    world = dist.get_world_size()
+    model = nn.Sequential(*[layer for _ in range(world) for layer in (nn.Linear(4, 4), Bomb())])
+    pipe = gd.DistributedGPipe(model, chunks=2, timeout=60)
+    x, y = torch.randn(4, 4), torch.randn(4, 4)
+    started = time.monotonic()
+    for _ in range(steps):
+        started = time.monotonic()
+        pipe.train_step(x, y, nn.functional.mse_loss)
+    return {"finished": True, "elapsed": time.monotonic() - started}
+
+
+def stop_at(rank: int, step: int, how: str, timeout_s: float = 60.0) -> Any:
+    """Rank ``rank`` dies (SIGKILL), is interrupted (SIGINT) or hangs at ``step``."""
+    import os
+    import signal
+
+    me = dist.get_rank()
+    sig = {"kill": signal.SIGKILL, "interrupt": signal.SIGINT}.get(how)
+
+    class Trap(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.calls = 0
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.calls += 1
+            if me == rank and self.calls == step * 2:
+                if sig is None:
+                    import sys
+
+                    print(f"hanging at {time.time()!r}", file=sys.stderr, flush=True)
+                    time.sleep(3600)  # hung: alive, links open, never sends
+                os.kill(os.getpid(), sig)
+                time.sleep(1)  # the signal lands here (SIGINT: as KeyboardInterrupt)
+            return x
+
+    world = dist.get_world_size()
+    model = nn.Sequential(*[layer for _ in range(world) for layer in (nn.Linear(4, 4), Trap())])
+    pipe = gd.DistributedGPipe(model, chunks=2, timeout=timeout_s)
+    x, y = torch.randn(4, 4), torch.randn(4, 4)
+    for _ in range(step + 2):
+        pipe.train_step(x, y, nn.functional.mse_loss)
+    return {"finished": True}
+
+
+def bad_config(case: str) -> Any:
+    """Constructing a pipe that cannot run: the error must come on every rank, before a step."""
+    me = dist.get_rank()
+    model = mlp(2)  # 4 layers
+    kwargs: dict[str, Any] = {"timeout": 30}
+    if case == "balance":
+        kwargs["balance"] = [1, 1, 2]  # 3 stages for a 2-rank job
+    elif case == "too_many_stages":
+        model = mlp(1)[:1]  # 1 layer for 2 ranks
+    elif case == "different_arguments":
+        kwargs["chunks"] = 4 if me == 0 else 8
+    elif case == "schedule":
+        kwargs.update(schedule="1f1b", virtual_stages=2)
+    elif case == "unknown_schedule":
+        kwargs["schedule"] = "zigzag"
+    try:
+        gd.DistributedGPipe(model, **kwargs)
+    except (ValueError, TypeError) as error:
+        return {"error": f"{type(error).__name__}: {error}"}
+    return {"error": ""}

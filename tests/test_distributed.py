@@ -1,0 +1,153 @@
+"""The distributed runtime: real processes, gloo on 127.0.0.1, compared with plain PyTorch."""
+
+from __future__ import annotations
+
+import re
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from gpipe import GPipe
+from ranks import check, launch
+
+pytestmark = pytest.mark.timeout(240)
+
+SCHEDULES = ["gpipe", "1f1b", "interleaved", "zb-h1"]
+CHECKPOINTS = ["always", "except_last", "never"]
+
+
+def assert_parity(results: list[dict]) -> None:
+    keys = results[0].keys()
+    for key in keys:
+        for rank, result in enumerate(results):
+            diffs = result[key]
+            assert diffs["loss"] < 1e-12, (key, rank, diffs)
+            assert diffs["grad"] < 1e-12, (key, rank, diffs)
+            assert diffs["checked"] > 0, (key, rank, "this rank held no parameter")
+        evals = [r[key]["eval"] for r in results]
+        assert sorted(evals)[-1] < 1e-12 and evals.count(-1.0) == len(results) - 1, (key, evals)
+
+
+def test_two_processes_equal_plain_training_for_every_schedule_and_checkpoint_mode() -> None:
+    results = check(
+        launch(
+            "dist_scenarios:parity",
+            2,
+            schedules=SCHEDULES,
+            checkpoints=CHECKPOINTS,
+            chunks=[4, 1],
+            batch=10,
+        )
+    )
+    assert len(results[0]) == len(SCHEDULES) * len(CHECKPOINTS) * 2
+    assert_parity(results)
+
+
+def test_four_processes_equal_plain_training_with_fewer_or_uneven_microbatches() -> None:
+    results = check(
+        launch(
+            "dist_scenarios:parity",
+            4,
+            schedules=SCHEDULES,
+            checkpoints=["except_last"],
+            chunks=[2, 6],
+            batch=9,
+        )
+    )
+    assert_parity(results)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_tuples_dicts_values_and_changing_shapes_cross_processes(schedule: str) -> None:
+    results = check(launch("dist_scenarios:structures", 2, schedule=schedule))
+    for key in results[0]:
+        for rank, result in enumerate(results):
+            assert result[key]["loss"] < 1e-12 and result[key]["grad"] < 1e-12, (key, rank)
+
+
+def test_dropout_is_bitwise_the_local_pipes_under_two_balances() -> None:
+    from dist_scenarios import WIDTH, mlp
+
+    model = mlp(4, dropout=0.3)
+    local = GPipe(model, [4, 8], devices=["cpu", "cpu"], chunks=4, schedule="1f1b")
+    torch.manual_seed(7)
+    x = torch.randn(8, WIDTH, dtype=torch.float64)
+    y = torch.randn(8, WIDTH, dtype=torch.float64)
+    local_loss = local.train_step(x, y, nn.functional.mse_loss)
+    expected = {n: p.grad for n, p in model.named_parameters()}
+    for balance in ([4, 8], [6, 6]):
+        results = check(launch("dist_scenarios:dropout_bitwise", 2, balance=balance))
+        for result in results:
+            assert torch.equal(result["loss"], local_loss)
+            for name, grad in result["grads"].items():
+                assert torch.equal(grad, expected[name]), (balance, name)
+
+
+def test_a_model_built_on_meta_trains_like_one_built_normally() -> None:
+    results = check(launch("dist_scenarios:meta_init", 2))
+    for result in results:
+        assert result["diffs"]["loss"] < 1e-12 and result["diffs"]["grad"] < 1e-12
+        assert sorted(set(result["devices"])) == ["cpu", "meta"]  # the other rank's layers
+
+
+def test_a_rank_raising_ends_every_process_quickly_naming_it() -> None:
+    outcomes = launch("dist_scenarios:fail_at", 3, timeout=60, rank=1, step=3)
+    assert all(o.returncode == 1 for o in outcomes), [o.returncode for o in outcomes]
+    assert "ValueError: boom on rank 1" in outcomes[1].error
+    for o in (outcomes[0], outcomes[2]):
+        assert "PipelineFailure" in o.error and "rank 1" in o.error, o.error
+        assert "boom on rank 1" in o.error
+    spread = max(o.seconds for o in outcomes) - min(o.seconds for o in outcomes)
+    assert spread < 10, [o.seconds for o in outcomes]
+
+
+@pytest.mark.parametrize("how", ["kill", "interrupt"])
+def test_a_rank_killed_or_interrupted_ends_the_others(how: str) -> None:
+    outcomes = launch("dist_scenarios:stop_at", 3, timeout=60, rank=2, step=2, how=how)
+    survivors = [outcomes[0], outcomes[1]]
+    assert all(o.returncode == 1 for o in survivors), [o.returncode for o in outcomes]
+    for o in survivors:
+        assert "PipelineFailure" in o.error and "rank 2" in o.error, o.error
+    if how == "interrupt":
+        assert "KeyboardInterrupt" in outcomes[2].error
+        assert all("interrupt" in o.error.lower() for o in survivors)
+    assert max(o.seconds for o in survivors) - outcomes[2].seconds < 10
+
+
+def test_a_hung_rank_ends_the_others_within_the_timeout() -> None:
+    began = time.time()
+    outcomes = launch(
+        "dist_scenarios:stop_at",
+        3,
+        timeout=90,
+        may_hang=(1,),
+        rank=1,
+        how="hang",
+        step=2,
+        timeout_s=10.0,
+    )
+    assert outcomes[1].returncode is None  # hung, then killed by the test
+    hung_at = float(re.search(r"hanging at ([0-9.]+)", outcomes[1].stderr).group(1)) - began
+    for o in (outcomes[0], outcomes[2]):
+        assert o.returncode == 1 and "PipelineFailure" in o.error, o.error
+        assert "rank 1" in o.error, o.error
+        # the 10 s timeout, the 2 s wait for every rank to hear, and slack for a busy host
+        assert o.seconds - hung_at < 10 + 2 + 6, (o.seconds, hung_at)
+
+
+@pytest.mark.parametrize(
+    ("case", "expected"),
+    [
+        ("balance", "balance lists 3 stages but the job has 2 ranks"),
+        ("too_many_stages", "launch at most 1 processes"),
+        ("different_arguments", "chunks: rank 0 has 4, rank 1 has 8"),
+        ("schedule", "use schedule='interleaved'"),
+        ("unknown_schedule", "unknown schedule 'zigzag'"),
+    ],
+)
+def test_bad_configurations_fail_on_every_rank_before_any_step(case: str, expected: str) -> None:
+    results = check(launch("dist_scenarios:bad_config", 2, case=case))
+    for result in results:
+        assert expected in result["error"], result["error"]
