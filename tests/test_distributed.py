@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
 from gpipe import GPipe
-from ranks import check, launch
+from ranks import check, free_port, launch
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -151,3 +155,27 @@ def test_bad_configurations_fail_on_every_rank_before_any_step(case: str, expect
     results = check(launch("dist_scenarios:bad_config", 2, case=case))
     for result in results:
         assert expected in result["error"], result["error"]
+
+
+def test_torchrun_launches_a_training_script_that_matches_plain_training(tmp_path: Path) -> None:
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(free_port()),
+        str(Path(__file__).parent / "torchrun_job.py"),
+        str(tmp_path),
+    ]
+    path = os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])
+    env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1")
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for rank in range(2):
+        result = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
+        assert result["world"] == 2
+        assert result["loss"] < 1e-12 and result["weight"] < 1e-12, result

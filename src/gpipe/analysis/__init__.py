@@ -8,13 +8,14 @@ from gpipe.analysis.formulas import BUBBLE_FORMULAS, bubble_formula, paper_bubbl
 from gpipe.analysis.memory import activation_peaks, kept_microbatches
 from gpipe.analysis.search import search
 from gpipe.analysis.simulator import Costs, costs_from_timeline, simulate
-from gpipe.analysis.timeline import Event, Timeline
+from gpipe.analysis.timeline import Event, Timeline, Transfer
 
 __all__ = [
     "BUBBLE_FORMULAS",
     "Costs",
     "Event",
     "Timeline",
+    "Transfer",
     "activation_peaks",
     "bubble_formula",
     "costs_from_timeline",

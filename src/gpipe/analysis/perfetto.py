@@ -23,11 +23,15 @@ def to_chrome_trace(
 ) -> dict[str, Any]:
     """Convert ``timeline`` to the Chrome trace event format (Perfetto, chrome://tracing).
 
-    Each action is one complete event (``"ph": "X"``) named like ``"F3"`` on thread ``tid``
-    = device, with times in microseconds from the timeline's start and ``args`` holding
-    stage, micro-batch and memory. When any memory is recorded, a counter track
-    (``"ph": "C"``) per device follows it. A measured timeline keeps its real time; a
-    simulated one (unit ``"cost"``) is shown with one cost unit as one millisecond.
+    Each action is one complete event (``"ph": "X"``) named like ``"F3"`` on its device's
+    track, with times in microseconds from the timeline's start and ``args`` holding stage,
+    micro-batch and memory. A device is a thread of one process, or, for a timeline of
+    several processes (``timeline.processes``), a process track of its own named
+    "rank d". When any memory is recorded, a counter track (``"ph": "C"``) per device
+    follows it. Messages between devices (``timeline.transfers``) are slices on the
+    receiving device's "receives" track, from hand-over to arrival, with a flow arrow
+    from the action that sent them. A measured timeline keeps its real time; a simulated
+    one (unit ``"cost"``) is shown with one cost unit as one millisecond.
 
     Args:
         timeline: a simulated or measured timeline.
@@ -47,21 +51,11 @@ def to_chrome_trace(
     scale = _MICROSECONDS[timeline.unit]
     origin = timeline.start
     name = timeline.schedule or "timeline"
-    events: list[dict[str, Any]] = [
-        {"name": "process_name", "ph": "M", "pid": 0, "args": {"name": f"gpipe {name}"}}
-    ]
-    for device in range(timeline.devices):
-        events.append(
-            {
-                "name": "thread_name",
-                "ph": "M",
-                "pid": 0,
-                "tid": device,
-                "args": {"name": f"device {device}"},
-            }
-        )
+    tracks = _Tracks(timeline)
+    events: list[dict[str, Any]] = tracks.names(name)
     with_memory = any(timeline.peak_memory)
     for device, device_events in enumerate(timeline.events):
+        pid, tid = tracks.compute(device)
         for e in device_events:
             action = e.action
             events.append(
@@ -69,8 +63,8 @@ def to_chrome_trace(
                     "name": f"{action.kind}{action.microbatch}",
                     "cat": KIND_NAMES[action.kind],
                     "ph": "X",
-                    "pid": 0,
-                    "tid": device,
+                    "pid": pid,
+                    "tid": tid,
                     "ts": (e.start - origin) * scale,
                     "dur": e.duration * scale,
                     "args": {
@@ -85,11 +79,12 @@ def to_chrome_trace(
                     {
                         "name": f"memory device {device}",
                         "ph": "C",
-                        "pid": 0,
+                        "pid": pid,
                         "ts": (e.start - origin) * scale,
                         "args": {"memory": e.memory},
                     }
                 )
+    events += _transfers(timeline, tracks, origin, scale)
     trace: dict[str, Any] = {
         "traceEvents": events,
         "displayTimeUnit": "ms",
@@ -105,3 +100,86 @@ def to_chrome_trace(
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(trace))
     return trace
+
+
+class _Tracks:
+    """Where each device's actions and receives go: threads of one process, or processes."""
+
+    def __init__(self, timeline: Timeline) -> None:
+        self.processes = timeline.processes
+        self.devices = timeline.devices
+        self.receives = bool(timeline.transfers)
+
+    def compute(self, device: int) -> tuple[int, int]:
+        return (device, 0) if self.processes else (0, device)
+
+    def received(self, device: int) -> tuple[int, int]:
+        return (device, 1) if self.processes else (0, self.devices + device)
+
+    def names(self, schedule: str) -> list[dict[str, Any]]:
+        def meta(kind: str, pid: int, tid: int | None, label: str) -> dict[str, Any]:
+            event: dict[str, Any] = {"name": kind, "ph": "M", "pid": pid, "args": {"name": label}}
+            if tid is not None:
+                event["tid"] = tid
+            return event
+
+        events = []
+        if not self.processes:
+            events.append(meta("process_name", 0, None, f"gpipe {schedule}"))
+        for device in range(self.devices):
+            pid, tid = self.compute(device)
+            if self.processes:
+                events.append(meta("process_name", pid, None, f"rank {device}"))
+            events.append(meta("thread_name", pid, tid, f"device {device}"))
+            if self.receives:
+                pid, tid = self.received(device)
+                events.append(meta("thread_name", pid, tid, f"device {device} receives"))
+        return events
+
+
+def _transfers(
+    timeline: Timeline, tracks: _Tracks, origin: float, scale: float
+) -> list[dict[str, Any]]:
+    """A slice per message on the receiver's track, and a flow arrow from its sender."""
+    events: list[dict[str, Any]] = []
+    # NOTE: a flow binds to the slice enclosing its timestamp, so each end sits a hair
+    # inside: the sending action (which sends before it ends) and the receive slice.
+    hair = 1e-3
+    for number, t in enumerate(timeline.transfers):
+        what = "activation" if t.kind == "F" else "gradient"
+        start, end = (t.start - origin) * scale, (t.end - origin) * scale
+        pid, tid = tracks.received(t.target)
+        source_pid, source_tid = tracks.compute(t.source)
+        label = f"{what} {t.stage}{t.kind}{t.microbatch} from device {t.source}"
+        events += [
+            {
+                "name": label,
+                "cat": "transfer",
+                "ph": "X",
+                "pid": pid,
+                "tid": tid,
+                "ts": start,
+                "dur": max(end - start, hair),
+                "args": {"bytes": t.nbytes, "stage": t.stage, "microbatch": t.microbatch},
+            },
+            {
+                "name": what,
+                "cat": "transfer",
+                "ph": "s",
+                "id": number,
+                "pid": source_pid,
+                "tid": source_tid,
+                "ts": start - hair,
+            },
+            {
+                "name": what,
+                "cat": "transfer",
+                "ph": "f",
+                "bp": "e",
+                "id": number,
+                "pid": pid,
+                "tid": tid,
+                "ts": start + max(end - start, hair) / 2,
+            },
+        ]
+    return events

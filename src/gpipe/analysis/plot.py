@@ -20,6 +20,7 @@ __all__ = ["plot"]
 # One colour per kind; later virtual stages of a device are drawn lighter.
 _PLOT_COLOR = {FORWARD: "#4c72b0", BACKWARD: "#55a868", WEIGHT: "#dd8452"}
 _FIG_WIDTH = 12.0  # inches
+_MOST_ARROWS = 3000  # beyond that, message lines hide the bars
 _DPI = 100
 
 
@@ -133,8 +134,19 @@ def _draw_gantt(
             ax.broken_barh(
                 spans, (device - 0.4, 0.8), facecolors=shade, edgecolors="white", linewidths=edge
             )
+    if 0 < len(timeline.transfers) <= _MOST_ARROWS:
+        # A message: from its sender's row when handed over to its receiver's on arrival.
+        for t in timeline.transfers:
+            ax.plot(
+                [t.start - origin, t.end - origin],
+                [t.source, t.target],
+                color="0.35",
+                linewidth=0.6,
+                alpha=0.7,
+            )
     ax.set_ylim(max(devices, 1) - 0.5, -0.5)  # device 0 on top, as in the terminal chart
-    ax.set_yticks(range(devices), [f"dev {d}" for d in range(devices)], fontsize=8)
+    label = "rank" if timeline.processes else "dev"
+    ax.set_yticks(range(devices), [f"{label} {d}" for d in range(devices)], fontsize=8)
     ax.set_title(
         f"{name}: makespan {format_time(timeline.makespan, timeline.unit)}, "
         f"bubble {timeline.bubble:.1%}",

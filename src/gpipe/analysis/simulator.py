@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import gc
+import math
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from gpipe.analysis.memory import memory_per_action
-from gpipe.analysis.timeline import Event, Timeline
-from gpipe.schedule import BACKWARD, FORWARD, WEIGHT, Schedule, ScheduleError, validate
+from gpipe.analysis.timeline import Event, Timeline, Transfer
+from gpipe.schedule import BACKWARD, FORWARD, WEIGHT, Action, Schedule, ScheduleError, validate
 
 __all__ = ["Costs", "costs_from_timeline", "simulate"]
 
@@ -29,6 +30,11 @@ class Costs:
             B, so there B takes ``backward + weight``.
         transfer: time to move one activation or gradient between two different devices;
             a hand-off between stages on the same device is free.
+        latency: time per message between devices, added to ``transfer``.
+        bandwidth: bytes per unit of time between devices (inf: free). A message between
+            stages ``s`` and ``s+1`` on different devices takes ``transfer + latency +
+            gradient_bytes[s+1] / bandwidth``: stage ``s+1``'s input going forward, or its
+            gradient, of the same size, coming back.
         activation_bytes: what one micro-batch's forward on a stage keeps for its backward.
         gradient_bytes: the gradient of a stage's input, which its backward sends back and
             the previous stage's backward receives; both hold it while they run.
@@ -43,6 +49,8 @@ class Costs:
     activation_bytes: PerStage = 1
     gradient_bytes: PerStage = 0
     deferred_bytes: PerStage = 0
+    latency: float = 0.0
+    bandwidth: float = math.inf
 
     @classmethod
     def from_timeline(cls, timeline: Timeline, stages: int | None = None) -> Costs:
@@ -115,14 +123,20 @@ def _simulate(schedule: Schedule, costs: Costs) -> Timeline:
     if not split:
         backward = [b + w for b, w in zip(backward, weight)]
     placement = schedule.placement
-    # Extra wait for the input from the previous stage / the gradient from the next one.
-    from_previous = [
-        costs.transfer if s and placement[s - 1] != placement[s] else 0.0 for s in range(stages)
-    ]
-    from_next = [
-        costs.transfer if s + 1 < stages and placement[s + 1] != placement[s] else 0.0
+    # sizes[s]: a message between stage s and s + 1 (s + 1's input forward, its gradient
+    # back); edge[s]: what one costs if the two sit on different devices; from_previous /
+    # from_next: the extra wait for one to arrive.
+    sizes = [gradient_bytes[s + 1] if s + 1 < stages else 0.0 for s in range(stages)]
+    edge = [
+        costs.transfer + costs.latency + sizes[s] / costs.bandwidth
+        if s + 1 < stages and placement[s] != placement[s + 1]
+        else 0.0
         for s in range(stages)
     ]
+    from_previous = [edge[s - 1] if s else 0.0 for s in range(stages)]
+    from_next = edge
+    transfers: list[Transfer] = []
+    record = any(edge)
 
     # NOTE: this loop is the simulator's whole cost (K=128, M=1024 is 262k actions), so it
     # keeps finish times in one flat list of floats, keyed by int, with -1.0 for "not yet":
@@ -185,6 +199,8 @@ def _simulate(schedule: Schedule, costs: Costs) -> Timeline:
                     start = end + extra
             if blocked:
                 break
+            if record:
+                _record_transfers(transfers, action, device, deps, ends, placement, sizes)
             key = offset[kind] + index
             if ends[key] >= 0:
                 raise _invalid(schedule)
@@ -199,7 +215,37 @@ def _simulate(schedule: Schedule, costs: Costs) -> Timeline:
     expected = 3 * size if split else 2 * size
     if sum(position) != len(schedule) or sum(len(e) for e in events) != expected:
         raise _invalid(schedule)
-    return Timeline(events, unit="cost", schedule=schedule.name)
+    return Timeline(events, unit="cost", schedule=schedule.name, transfers=transfers)
+
+
+def _record_transfers(
+    transfers: list[Transfer],
+    action: Action,
+    device: int,
+    deps: tuple[tuple[int, float], ...],
+    ends: list[float],
+    placement: tuple[int, ...],
+    sizes: list[float],
+) -> None:
+    """The messages ``action`` waited for: its input's or its gradient's, if remote."""
+    stage = action.stage
+    for dep, extra in deps:
+        if not extra:
+            continue
+        source = stage - 1 if action.kind == FORWARD else stage + 1
+        sent = ends[dep]
+        transfers.append(
+            Transfer(
+                action.kind,
+                stage,
+                action.microbatch,
+                placement[source],
+                device,
+                sent,
+                sent + extra,
+                int(sizes[min(stage, source)]),
+            )
+        )
 
 
 def _invalid(schedule: Schedule) -> ScheduleError:

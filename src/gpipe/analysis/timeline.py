@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from gpipe.schedule import Action
 
-__all__ = ["Event", "Timeline"]
+__all__ = ["Event", "Timeline", "Transfer"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +48,25 @@ class Event:
         return self.action.microbatch
 
 
+@dataclass(frozen=True, slots=True)
+class Transfer:
+    """One message between two devices: a stage's output going forward (``kind`` "F", for
+    the receiving stage's forward) or a gradient coming back (``kind`` "B").
+
+    ``start`` is when the sender handed it over, ``end`` when it had arrived, on the
+    timeline's clock; ``stage`` is the receiving stage.
+    """
+
+    kind: str
+    stage: int
+    microbatch: int
+    source: int
+    target: int
+    start: float
+    end: float
+    nbytes: int = 0
+
+
 @dataclass
 class Timeline:
     """Per device, the events of one training step in start order.
@@ -57,11 +76,17 @@ class Timeline:
         unit: ``"s"`` for a measured timeline (seconds from the step's start), ``"cost"``
             for a simulated one (the cost model's units).
         schedule: the name of the schedule that produced it.
+        transfers: messages between devices, where they were recorded (a distributed
+            step, or a simulation with a transfer cost).
+        processes: whether each device was a process of its own (one per rank): drawings
+            then show ranks, and the Perfetto trace a process track per rank.
     """
 
     events: list[list[Event]]
     unit: str = "s"
     schedule: str = ""
+    transfers: list[Transfer] = field(default_factory=list)
+    processes: bool = False
 
     @property
     def devices(self) -> int:

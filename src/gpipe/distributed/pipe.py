@@ -10,8 +10,10 @@ stage's rank computes the loss, and the loss comes back on every rank.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import itertools
+import statistics
 import threading
 import time
 import weakref
@@ -23,13 +25,14 @@ import torch.distributed as dist
 from torch import nn
 
 import gpipe
-from gpipe.analysis import Event, Timeline
+from gpipe.analysis import Costs, Event, Timeline, Transfer, simulate
 from gpipe.balance import balance_by_params
 from gpipe.batchnorm import DeferredBatchNorm, convert_deferred_batch_norm
 from gpipe.checkpoint import check_checkpoint
 from gpipe.distributed.clock import offsets_to_rank0
 from gpipe.distributed.faults import Failure, FaultChannel, PipelineFailure
 from gpipe.distributed.launch import device as default_device
+from gpipe.distributed.link import measure_link
 from gpipe.distributed.transport import P2PTransport
 from gpipe.microbatch import batch_size, gather, scatter
 from gpipe.partition import check_balance, split_module
@@ -39,7 +42,7 @@ from gpipe.runtime.stages import Stages
 from gpipe.runtime.state import Loss, StepState
 from gpipe.runtime.step import Step
 from gpipe.runtime.transport import ACTIVATION
-from gpipe.schedule import BACKWARD, FORWARD, Schedule, make_schedule, validate
+from gpipe.schedule import BACKWARD, FORWARD, Action, Schedule, make_schedule, validate
 from gpipe.structure import map_tensors
 
 __all__ = ["DistributedGPipe"]
@@ -155,6 +158,7 @@ class DistributedGPipe(nn.Module):
 
         self._group, self._control = _process_groups(tuple(self.ranks), self.timeout)
         self._clock_offset_ns = offsets_to_rank0(self.ranks, self._control)
+        self._link = _link_of(tuple(self.ranks), self._control)
         # NOTE: the default store is the one every rank already shares (torchrun's agent's
         # or rank 0's); torch offers no public accessor for it.
         store = dist.distributed_c10d._get_default_store()
@@ -256,24 +260,88 @@ class DistributedGPipe(nn.Module):
 
     @property
     def timeline(self) -> Timeline:
-        """The last step on every rank, on rank 0's clock: every rank must ask together."""
+        """The last step on every rank, on rank 0's clock, with the messages between ranks.
+
+        A collective: every rank must ask for it, in the same order as its other calls.
+        Each rank's events are shifted by its clock's offset from rank 0's (measured when
+        the pipe was made), so the rows line up; ``transfers`` holds every message from its
+        hand-over by the sender to its arrival at the receiver.
+        """
         if self._last is None:
             raise RuntimeError("no step has run yet: call train_step or eval_step first")
         step, schedule = self._last
-        mine = [
-            (str(e.action), e.start, e.end, e.memory) for e in step.state.events[self.device_index]
-        ]
-        origin = (step.state.origin_ns - self._clock_offset_ns) / 1e9
-        gathered: list[Any] = [None] * len(self.ranks)
-        dist.all_gather_object(gathered, (origin, mine), group=self._control)
-        zero = min(o for o, _ in gathered)
-        from gpipe.schedule import Action
+        offset = self._clock_offset_ns
 
+        def seconds(ns: int) -> float:  # this rank's perf_counter_ns, on rank 0's clock
+            return (ns - offset) / 1e9
+
+        origin = seconds(step.state.origin_ns)
+        mine = {
+            "events": [
+                (str(e.action), origin + e.start, origin + e.end, e.memory)
+                for e in step.state.events[self.device_index]
+            ],
+            "sent": [(tag, peer, seconds(ns)) for tag, peer, ns in self._transport.sent],
+            "received": [
+                (t.tag, t.source, seconds(t.done_ns), t.nbytes) for t in self._transport.transfers
+            ],
+        }
+        gathered: list[Any] = [None] * len(self.ranks)
+        dist.all_gather_object(gathered, mine, group=self._control)
+        zero = min((e[1] for g in gathered for e in g["events"]), default=origin)
         events = [
-            [Event(Action.parse(a), s + o - zero, e + o - zero, m) for a, s, e, m in rows]
-            for o, rows in gathered
+            [
+                Event(Action.parse(a), start - zero, end - zero, m)
+                for a, start, end, m in g["events"]
+            ]
+            for g in gathered
         ]
-        return Timeline(events, "s", schedule.name)
+        device = {rank: d for d, rank in enumerate(self.ranks)}
+        handed = {
+            (tuple(tag), device[self.ranks[d]], device[peer]): at
+            for d, g in enumerate(gathered)
+            for tag, peer, at in g["sent"]
+        }
+        transfers = []
+        for target, g in enumerate(gathered):
+            for tag, source_rank, arrived, nbytes in g["received"]:
+                source = device[source_rank]
+                start = handed.get((tuple(tag), source, target), arrived)
+                kind = FORWARD if tag[0] == ACTIVATION else BACKWARD
+                transfers.append(
+                    Transfer(
+                        kind, tag[1], tag[2], source, target, start - zero, arrived - zero, nbytes
+                    )
+                )
+        return Timeline(events, "s", schedule.name, transfers=transfers, processes=True)
+
+    def predicted_timeline(self) -> Timeline:
+        """The simulator's account of the last step, fed what this step measured.
+
+        Each stage's F, B and W cost is the median of its measured durations; each message
+        between ranks costs the link's latency plus its bytes over the link's bandwidth
+        (both measured between the first two ranks when the job's first pipe was made), with
+        each stage's median message size. Laid beside :attr:`timeline`
+        (``timeline.plot(path, compare=pipe.predicted_timeline())``) it shows what the step
+        lost to waiting and overhead. A collective, like :attr:`timeline`.
+        """
+        measured = self.timeline
+        schedule = self._last[1] if self._last is not None else None
+        assert schedule is not None
+        sizes = [0.0] * schedule.stages  # what each stage receives, median over the step
+        for stage in range(1, schedule.stages):
+            came = [t.nbytes for t in measured.transfers if t.kind == FORWARD and t.stage == stage]
+            sizes[stage] = statistics.median(came) if came else 0.0
+        latency, bandwidth = self._link
+        costs = dataclasses.replace(
+            Costs.from_timeline(measured, stages=schedule.stages),
+            latency=latency,
+            bandwidth=bandwidth,
+            gradient_bytes=sizes,
+        )
+        predicted = simulate(schedule, costs)
+        predicted.unit, predicted.processes = "s", True
+        return predicted
 
     def close(self) -> None:
         """Stop this pipe's background threads (also done when it is garbage collected)."""
@@ -431,6 +499,14 @@ class DistributedGPipe(nn.Module):
 
 
 _GROUPS: dict[tuple[tuple[int, ...], float], tuple[Any, Any]] = {}
+_LINKS: dict[tuple[int, ...], tuple[float, float]] = {}
+
+
+def _link_of(ranks: tuple[int, ...], group: Any) -> tuple[float, float]:
+    """The link's latency and bandwidth, measured by the job's first pipe over ``ranks``."""
+    if ranks not in _LINKS:
+        _LINKS[ranks] = measure_link(list(ranks), group)
+    return _LINKS[ranks]
 
 
 def _process_groups(ranks: tuple[int, ...], timeout: float) -> tuple[Any, Any]:

@@ -102,7 +102,8 @@ class P2PTransport:
         self._inbound: dict[int, _Inbound] = {}
         self._sends = _Completion(timeout)
         self.failure: Failure | None = None
-        self.transfers: list[Transfer] = []
+        self.transfers: list[Transfer] = []  # received this step
+        self.sent: list[tuple[Tag, int, int]] = []  # (tag, peer, perf_counter_ns) this step
 
     # -- the Transport protocol --------------------------------------------------------
 
@@ -113,6 +114,7 @@ class P2PTransport:
         self._box.clear()
         self._step += 1
         self.transfers = []
+        self.sent = []
 
     def send(self, tag: Tag, value: Any) -> None:
         """Deliver ``value``: to this rank's mailbox, or to the rank holding its stage."""
@@ -247,6 +249,7 @@ class P2PTransport:
             failure = self.fail(_link_lost(self._rank, peer, error))
             raise PipelineFailure(failure, self._rank) from None
         self._sends.add(works, (header, encoded, tensors))
+        self.sent.append((tag, peer, time.perf_counter_ns()))
 
 
 class _Inbound:
