@@ -10,7 +10,7 @@ See docs/distributed.md.
 """
 
 from gpipe.distributed.faults import PipelineFailure
-from gpipe.distributed.launch import device, init
+from gpipe.distributed.launch import device, init, spawn
 from gpipe.distributed.pipe import DistributedGPipe
 
-__all__ = ["DistributedGPipe", "PipelineFailure", "device", "init"]
+__all__ = ["DistributedGPipe", "PipelineFailure", "device", "init", "spawn"]

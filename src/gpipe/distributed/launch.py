@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import datetime
 import os
+import socket
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["device", "init"]
+__all__ = ["device", "init", "spawn"]
 
 _NEEDED = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 # SLURM's names for what torchrun sets, for `srun python train.py` without torchrun.
@@ -64,3 +67,57 @@ def device() -> torch.device:
         local = int(os.environ.get("LOCAL_RANK", "0"))
         return torch.device("cuda", local % torch.cuda.device_count())
     return torch.device("cpu")
+
+
+def spawn(
+    fn: Callable[..., Any], nprocs: int, *args: Any, threads: int | None = None
+) -> dict[int, Any]:
+    """Run ``fn(*args)`` in ``nprocs`` new processes on this machine, as torchrun would.
+
+    Uses torch's own elastic launcher (``torch.distributed.launcher``): each process gets
+    torchrun's environment, so ``fn`` starts with :func:`init`. For commands and benchmarks
+    that start their own processes; a training script is better launched with torchrun.
+
+    Args:
+        fn: a module-level (picklable) function.
+        nprocs: how many processes.
+        args: picklable arguments for every process.
+        threads: intra-op threads per process (OMP_NUM_THREADS); default: the cores shared
+            out, at least one.
+
+    Returns:
+        Each rank's return value.
+
+    Raises:
+        ValueError: ``nprocs`` below 1.
+        torch.distributed.elastic.multiprocessing.errors.ChildFailedError: a process failed
+            (its traceback is in the message).
+    """
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
+        raise ValueError(f"nprocs must be a whole number >= 1, got {nprocs!r}")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    threads = threads or max(1, (os.cpu_count() or 1) // nprocs)
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nprocs,
+        run_id=f"gpipe-{os.getpid()}-{port}",
+        rdzv_backend="c10d",
+        rdzv_endpoint=f"127.0.0.1:{port}",
+        max_restarts=0,
+        monitor_interval=0.05,
+        start_method="spawn",
+    )
+    previous = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    try:
+        return dict(elastic_launch(config, entrypoint=fn)(*args))
+    finally:
+        if previous is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = previous

@@ -72,6 +72,10 @@ class DistributedGPipe(nn.Module):
         timeout: seconds a rank waits for a message before declaring its sender lost.
         track_memory: count the bytes each rank holds for backward (for the timeline).
         deferred_batch_norm: as :class:`gpipe.GPipe`.
+        overlap: receive ahead of need and send in the background (the default). False
+            makes every transfer wait for both sides, to measure what overlap is worth;
+            only for schedules whose ranks consume each peer's messages in the order sent
+            (gpipe's fill-drain).
 
     Raises:
         RuntimeError: the process group is not initialized (call ``gpipe.distributed.init()``).
@@ -94,6 +98,7 @@ class DistributedGPipe(nn.Module):
         timeout: float = 300.0,
         track_memory: bool = True,
         deferred_batch_norm: bool = False,
+        overlap: bool = True,
     ) -> None:
         super().__init__()
         if not dist.is_initialized():
@@ -180,6 +185,7 @@ class DistributedGPipe(nn.Module):
             self._control,
             self.timeout,
             self._faults.publish,
+            overlap,
         )
         self._last: tuple[Step, Schedule] | None = None
 

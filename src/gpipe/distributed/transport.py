@@ -74,6 +74,11 @@ class P2PTransport:
         timeout: seconds to wait for one message before declaring its sender lost.
         report: called with this rank's failure, to tell the other ranks (the fault
             channel); returns the failure every rank will name.
+        overlap: post receives ahead and complete sends in the background (the point of
+            this transport). False is for measuring what that buys: a send waits until
+            its message is received, and a message is received only once an action asks
+            for one from that peer (so each rank must consume a peer's messages in the
+            order they were sent, as GPipe's fill-drain does).
     """
 
     def __init__(
@@ -86,6 +91,7 @@ class P2PTransport:
         control: Any,
         timeout: float,
         report: Callable[[Failure], Failure],
+        overlap: bool = True,
     ) -> None:
         self._placement = placement
         self._device = device
@@ -96,6 +102,7 @@ class P2PTransport:
         self._control = control
         self._timeout = timeout
         self._report = report
+        self.overlap = overlap
         self._box = Mailbox()
         self._step = 0
         self._outbound: dict[int, _Outbound] = {}
@@ -131,6 +138,9 @@ class P2PTransport:
             PipelineFailure: a rank failed or vanished, or nothing came within the timeout.
         """
         try:
+            sender = self._sender_of(tag)
+            if not self.overlap and sender != self._rank:
+                self._inbound[sender].asked.release()
             return self._box.take(tag, self._timeout)
         except Aborted:
             assert self.failure is not None
@@ -250,6 +260,8 @@ class P2PTransport:
             raise PipelineFailure(failure, self._rank) from None
         self._sends.add(works, (header, encoded, tensors))
         self.sent.append((tag, peer, time.perf_counter_ns()))
+        if not self.overlap:
+            self.finish()
 
 
 class _Inbound:
@@ -259,6 +271,7 @@ class _Inbound:
         self.transport = transport
         self.peer = peer
         self.jobs: queue.Queue[tuple[int, int] | None] = queue.Queue()
+        self.asked = threading.Semaphore(0)  # without overlap: receive only when asked
         self.signatures: dict[int, Signature] = {}
         self.thread = threading.Thread(
             target=self._run, name=f"gpipe-recv-from-rank{peer}", daemon=True
@@ -270,6 +283,8 @@ class _Inbound:
         while (job := self.jobs.get()) is not None:
             step, count = job
             for _ in range(count):
+                if not transport.overlap:
+                    self.asked.acquire()
                 try:
                     tag, value, transfer = self._receive(step)
                 except Exception as error:

@@ -1,0 +1,189 @@
+"""Real compute on CPU: a pipeline over processes vs plain training, and vs torch's pipelining.
+
+Two processes with one intra-op thread each (so each has a core of its own) run a small
+transformer (4 encoder layers, d=256, batch 64, sequence 32) and an MLP as a 2-stage
+pipeline of M micro-batches, under gpipe's DistributedGPipe and under
+torch.distributed.pipelining, in the same run. The baseline is plain training of the same
+model in one process with one thread, over the same M micro-batches (gradient
+accumulation): the work a pipeline spreads over two cores. With two equal stages and free
+messages the best a 2-stage pipeline can do is ``2M / (M + 1)`` times the plain speed (the
+fill and drain leave one core idle for one micro-batch each way); ``of_ideal`` is the
+speedup measured over that.
+
+    python benchmarks/compute.py --distributed
+    python benchmarks/compute.py --distributed --microbatches 4 8 16 --steps 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+import gpipe.distributed as gd
+
+_TORCH = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
+
+
+def transformer() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        *[nn.TransformerEncoderLayer(256, 4, 1024, dropout=0.0, batch_first=True) for _ in range(4)]
+    )
+
+
+def mlp() -> nn.Sequential:
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for _ in range(8):
+        layers += [nn.Linear(1024, 1024), nn.GELU()]
+    return nn.Sequential(*layers)
+
+
+MODELS = {
+    "transformer": (transformer, (64, 32, 256)),
+    "mlp": (mlp, (64, 1024)),
+}
+
+
+def _batch(shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    return torch.randn(shape, generator=generator), torch.randn(shape, generator=generator)
+
+
+def plain(name: str, ms: list[int], steps: int) -> dict[int, float]:
+    """One process, one thread: seconds per step of gradient accumulation over M chunks."""
+    torch.set_num_threads(1)
+    build, shape = MODELS[name]
+    model = build()
+    x, y = _batch(shape)
+    out = {}
+    for m in ms:
+        times = []
+        for step in range(steps + 1):
+            began = time.perf_counter()
+            for xs, ys in zip(x.tensor_split(m), y.tensor_split(m)):
+                (F.mse_loss(model(xs), ys) * xs.shape[0] / x.shape[0]).backward()
+            if step:
+                times.append(time.perf_counter() - began)
+            model.zero_grad()
+        out[m] = statistics.median(times)
+    return out
+
+
+def ours(name: str, ms: list[int], schedules: list[str], steps: int) -> dict[str, float]:
+    rank, world = gd.init()
+    build, shape = MODELS[name]
+    x, y = _batch(shape)
+    out = {}
+    for schedule in schedules:
+        for m in ms:
+            model = build()
+            layers = len(model)
+            balance = [layers // world] * world
+            pipe = gd.DistributedGPipe(
+                model, balance, chunks=m, schedule=schedule, checkpoint="never"
+            )
+            times = []
+            for step in range(steps + 1):
+                began = time.perf_counter()
+                pipe.train_step(x, y, F.mse_loss)
+                if step:
+                    times.append(time.perf_counter() - began)
+                pipe.zero_grad()
+            out[f"{schedule}/{m}"] = statistics.median(times)
+            pipe.close()
+    return out if rank == 0 else {}
+
+
+def theirs(name: str, ms: list[int], schedules: list[str], steps: int) -> dict[str, float]:
+    import torch.distributed as dist
+    from torch.distributed import pipelining
+
+    rank, world = gd.init()
+    build, shape = MODELS[name]
+    x, y = _batch(shape)
+    out = {}
+    for schedule in schedules:
+        for m in ms:
+            model = build()
+            per = len(model) // world
+            stage_module = nn.Sequential(*list(model)[rank * per : (rank + 1) * per])
+            stage = pipelining.PipelineStage(stage_module, rank, world, torch.device("cpu"))
+            runner = getattr(pipelining, _TORCH[schedule])(stage, m, loss_fn=F.mse_loss)
+            times = []
+            for step in range(steps + 1):
+                dist.barrier()
+                began = time.perf_counter()
+                if rank == 0:
+                    runner.step(x)
+                else:
+                    runner.step(target=y, losses=[])
+                if step:
+                    times.append(time.perf_counter() - began)
+                stage_module.zero_grad()
+            out[f"{schedule}/{m}"] = statistics.median(times)
+    return out if rank == 0 else {}
+
+
+def run(args: argparse.Namespace) -> None:
+    if not args.distributed:
+        raise SystemExit("compute.py measures the distributed runtime: pass --distributed")
+    results = []
+    for name in args.models:
+        base = plain(name, args.microbatches, args.steps)
+        mine = gd.spawn(ours, 2, name, args.microbatches, args.schedules, args.steps, threads=1)[0]
+        torch_s = (
+            {}
+            if args.no_torch
+            else gd.spawn(
+                theirs, 2, name, args.microbatches, args.schedules, args.steps, threads=1
+            )[0]
+        )
+        for schedule in args.schedules:
+            for m in args.microbatches:
+                key = f"{schedule}/{m}"
+                results.append((name, schedule, m, base[m], mine[key], torch_s.get(key)))
+    print("2 processes x 1 thread vs plain training in 1 process x 1 thread, same micro-batches")
+    print(
+        f"{'model':>12} {'schedule':>8} {'M':>3} {'plain ms':>9} {'ours ms':>9} {'speedup':>8}"
+        f" {'ideal':>6} {'of ideal':>9} {'torch ms':>9} {'torch/ours':>10}"
+    )
+    for name, schedule, m, base, mine, torch_s in results:
+        ideal = 2 * m / (m + 1)
+        speedup = base / mine
+        shown = f"{torch_s * 1e3:9.1f} {torch_s / mine:10.3f}" if torch_s else f"{'-':>9} {'-':>10}"
+        print(
+            f"{name:>12} {schedule:>8} {m:>3} {base * 1e3:9.1f} {mine * 1e3:9.1f} "
+            f"{speedup:8.3f} {ideal:6.3f} {speedup / ideal:9.3f} {shown}"
+        )
+    for name, schedule, m, base, mine, torch_s in results:
+        ideal = 2 * m / (m + 1)
+        extra = (
+            f" torch_ms={torch_s * 1e3:.1f} torch_over_ours={torch_s / mine:.3f}" if torch_s else ""
+        )
+        print(
+            f"RESULT model={name} schedule={schedule} microbatches={m} plain_ms={base * 1e3:.1f} "
+            f"ours_ms={mine * 1e3:.1f} speedup={base / mine:.3f} ideal={ideal:.3f} "
+            f"of_ideal={base / mine / ideal:.3f}{extra}"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--distributed", action="store_true", help="run the 2-process pipeline")
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--schedules", nargs="+", default=["gpipe", "1f1b"], choices=list(_TORCH))
+    parser.add_argument("--microbatches", type=int, nargs="+", default=[8])
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--no-torch", action="store_true", help="skip torch.distributed.pipelining")
+    run(parser.parse_args())
+
+
+if __name__ == "__main__":
+    main()
