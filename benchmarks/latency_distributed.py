@@ -130,7 +130,7 @@ def run(args: argparse.Namespace) -> None:
         )
     head = [r for r in rows if (r[1], r[2]) == tuple(args.headline)]
     parts = []
-    for schedule, k, m, ideal, measured, _, torch_s in head:
+    for schedule, _, _, ideal, measured, _, torch_s in head:
         parts.append(f"{schedule}_efficiency={ideal / measured:.3f}")
         if torch_s:
             parts.append(f"{schedule}_ratio_vs_torch={torch_s / measured:.3f}")

@@ -72,12 +72,11 @@ def main() -> None:
         f"message = {transfer / (f / 1e3):.0%} of a forward"
     )
     print(f"compute-only ideal (M+K-1)(F+B): {ideal * 1e3:.1f} ms")
-    print(
-        f"overlap on : {on * 1e3:8.1f} ms per step  (median message in flight {on_move * 1e3:.2f} ms)"
-    )
-    print(
-        f"overlap off: {off * 1e3:8.1f} ms per step  (median message in flight {off_move * 1e3:.2f} ms)"
-    )
+    for name, seconds, moving in (("on ", on, on_move), ("off", off, off_move)):
+        print(
+            f"overlap {name}: {seconds * 1e3:8.1f} ms per step  "
+            f"(median message in flight {moving * 1e3:.2f} ms)"
+        )
     print(
         f"RESULT stages={k} microbatches={m} message_mib={nbytes / 2**20:.1f} "
         f"transfer_share={transfer / (f / 1e3):.3f} ideal_ms={ideal * 1e3:.1f} "
