@@ -22,28 +22,28 @@ import time
 
 import torch
 
-from gpipe import GPipe, make_schedule, profile, simulate
+from gpipe import GPipe, Profile, make_schedule, profile, simulate
 from gpipe.analysis import Costs
 from gpipe.balance import balance_costs
 from gpipe.models import GPTConfig, gpt, gpt_loss, synthetic_tokens
 
 
 def predict(
-    measured: object, k: int, m: int, schedule: str, latency: float, bandwidth: float
+    measured: Profile, k: int, m: int, schedule: str, latency: float, bandwidth: float
 ) -> tuple[float, float, list[int]]:
     """Simulated step seconds and bubble of ``schedule`` on K stages, and the balance used."""
-    balance = balance_costs(measured.costs("time"), k)  # type: ignore[attr-defined]
+    balance = balance_costs(measured.costs("time"), k)
     bounds = [0, *itertools.accumulate(balance)]
     spans = list(itertools.pairwise(bounds))
-    forward = [sum(measured.forward[a:b]) for a, b in spans]  # type: ignore[attr-defined]
-    backward = [sum(measured.backward[a:b]) for a, b in spans]  # type: ignore[attr-defined]
-    sizes = [measured.output_bytes[b - 1] for _, b in spans]  # type: ignore[attr-defined]
+    forward = [sum(measured.forward[a:b]) for a, b in spans]
+    backward = [sum(measured.backward[a:b]) for a, b in spans]
+    received = [measured.input_bytes[a] for a, _ in spans]  # a stage's input, its gradient
     costs = Costs(
         forward=forward,
         backward=backward,
         latency=latency,
         bandwidth=bandwidth,
-        message_bytes=sizes,
+        gradient_bytes=received,
     )
     timeline = simulate(make_schedule(schedule, k, m), costs)
     return timeline.makespan, timeline.bubble, balance
