@@ -166,7 +166,7 @@ def _child() -> None:
     os._exit(code)  # NOTE: skip interpreter teardown: a peer's pending receive must not hold us
 
 
-def _leave_together(grace: float = 10.0) -> None:
+def _leave_together(grace: float = 5.0) -> None:
     """Wait (a little) for every rank to finish before leaving.
 
     NOTE: started by hand, rank 0's process hosts the c10d store; torchrun's agent would
