@@ -9,8 +9,9 @@
 See docs/distributed.md.
 """
 
+from gpipe.distributed.checkpoint import consolidate
 from gpipe.distributed.faults import PipelineFailure
 from gpipe.distributed.launch import device, init, spawn
 from gpipe.distributed.pipe import DistributedGPipe
 
-__all__ = ["DistributedGPipe", "PipelineFailure", "device", "init", "spawn"]
+__all__ = ["DistributedGPipe", "PipelineFailure", "consolidate", "device", "init", "spawn"]

@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import datetime
 import itertools
+import os
 import statistics
 import threading
 import time
@@ -348,6 +349,36 @@ class DistributedGPipe(nn.Module):
         predicted = simulate(schedule, costs)
         predicted.unit, predicted.processes = "s", True
         return predicted
+
+    # -- checkpoints -------------------------------------------------------------------
+
+    def user_view(self) -> nn.Module:
+        """This rank's layers under their names in the user's model (``state_dict`` keys)."""
+        view = nn.Module()
+        for partition in self.partitions:
+            for name, layer in partition.named_children():
+                view.add_module(name, layer)
+        return view
+
+    def save(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        optimizer: torch.optim.Optimizer | None = None,
+        extra: dict[str, Any] | None = None,
+    ) -> None:
+        """Save a checkpoint any layout can load; see :func:`gpipe.distributed.checkpoint.save`."""
+        from gpipe.distributed.checkpoint import save
+
+        save(self, path, optimizer=optimizer, extra=extra)
+
+    def load(
+        self, path: str | os.PathLike[str], *, optimizer: torch.optim.Optimizer | None = None
+    ) -> dict[str, Any]:
+        """Load a checkpoint; return its ``extra`` (see gpipe.distributed.checkpoint.load)."""
+        from gpipe.distributed.checkpoint import load
+
+        return load(self, path, optimizer=optimizer)
 
     def close(self) -> None:
         """Stop this pipe's background threads (also done when it is garbage collected)."""
