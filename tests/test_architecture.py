@@ -17,7 +17,7 @@ ROOT = Path(gpipe.__file__).parent
 LAYERS = [
     ("units", "checkpoint", "schedule"),
     ("analysis",),
-    ("structure", "microbatch", "partition", "randomness", "batchnorm"),
+    ("structure", "microbatch", "partition", "randomness", "batchnorm", "arguments", "loss"),
     ("runtime",),
     ("balance", "models"),
     ("pipe",),

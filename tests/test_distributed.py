@@ -144,7 +144,7 @@ def test_a_hung_rank_ends_the_others_within_the_timeout() -> None:
 @pytest.mark.parametrize(
     ("case", "expected"),
     [
-        ("balance", "balance lists 3 stages but the job has 2 ranks"),
+        ("balance", "balance lists 3 stages but the job has 2 pipeline ranks"),
         ("too_many_stages", "launch at most 1 processes"),
         ("different_arguments", "chunks: rank 0 has 4, rank 1 has 8"),
         ("schedule", "use schedule='interleaved'"),

@@ -10,7 +10,7 @@ the running statistics equal those of plain training on the whole mini-batch.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
@@ -19,6 +19,7 @@ from torch.nn import functional as F
 
 __all__ = [
     "DeferredBatchNorm",
+    "committing",
     "convert_deferred_batch_norm",
     "recomputing",
     "refuse_reused_batch_norm",
@@ -103,6 +104,25 @@ class DeferredBatchNorm(nn.modules.batchnorm._BatchNorm):
         self.sum.zero_()
         self.sum_squares.zero_()
         self.counted = 0
+
+
+@contextmanager
+def committing(layers: Sequence[DeferredBatchNorm]) -> Iterator[None]:
+    """Run one step's forwards inside: their statistics are folded in once, if it succeeds.
+
+    Sums left from forwards outside a step count for nothing, and a step that raises leaves
+    the running statistics as they were.
+    """
+    for layer in layers:
+        layer.discard()
+    try:
+        yield
+    except BaseException:
+        for layer in layers:
+            layer.discard()
+        raise
+    for layer in layers:
+        layer.commit()
 
 
 def refuse_reused_batch_norm(module: nn.Module) -> None:

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import numbers
-import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -13,13 +11,22 @@ import torch
 from torch import nn
 
 from gpipe.analysis import Costs, Timeline, kept_microbatches, simulate
+from gpipe.arguments import (
+    check_balance_type,
+    check_chunks,
+    check_flag,
+    check_model,
+    check_virtual,
+)
 from gpipe.balance import balance_by_memory, balance_by_params, balance_by_time
 from gpipe.batchnorm import (
     DeferredBatchNorm,
+    committing,
     convert_deferred_batch_norm,
     refuse_reused_batch_norm,
 )
 from gpipe.checkpoint import check_checkpoint
+from gpipe.loss import check_loss_arguments, microbatch_weights, normalized, weighted_total
 from gpipe.microbatch import (
     BatchDims,
     batch_size,
@@ -37,7 +44,7 @@ from gpipe.runtime.stages import Stages
 from gpipe.runtime.state import Loss, StepState
 from gpipe.runtime.step import Step
 from gpipe.runtime.transport import ACTIVATION
-from gpipe.schedule import BACKWARD, FORWARD, Schedule, make_schedule, validate
+from gpipe.schedule import BACKWARD, FORWARD, Schedule, make_schedule, schedule_for
 from gpipe.structure import leaves, map_tensors
 
 __all__ = ["GPipe"]
@@ -50,37 +57,9 @@ _MOVING_DENIED = (
 )
 
 
-def _check_balance_type(balance: Any) -> None:
-    """Raise TypeError unless ``balance`` is a list of layer counts, a name or None."""
-    if balance is None or isinstance(balance, str):
-        return
-    if not isinstance(balance, Sequence):
-        raise TypeError(
-            f"balance must be a list of layers per stage ([3, 2, 3]) or one of 'params', "
-            f"'time', 'memory', got {balance!r}; for {balance!r} stages, pass "
-            f"devices=[...] with {balance!r} entries and leave balance out"
-        )
-
-
-def _check_flag(name: str, value: Any) -> None:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be True or False, got {value!r}")
-
-
 def _default_stage_count(module: nn.Sequential) -> int:
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     return max(1, min(len(module), gpus or 2))
-
-
-def _check_chunks(chunks: Any) -> int:
-    """``chunks`` as an int >= 1; an integral float (``8.0``) is taken, as torchgpipe does."""
-    if isinstance(chunks, float) and chunks.is_integer():
-        chunks = int(chunks)
-    if isinstance(chunks, bool) or not isinstance(chunks, numbers.Integral):
-        raise TypeError(f"chunks must be an int >= 1 (micro-batches per batch), got {chunks!r}")
-    if chunks < 1:
-        raise ValueError(f"chunks must be an int >= 1 (micro-batches per batch), got {chunks!r}")
-    return int(chunks)
 
 
 def _empty_list(value: Any) -> bool:
@@ -161,19 +140,11 @@ class GPipe(nn.Module):
         output_batch_dims: BatchDims = 0,
     ) -> None:
         super().__init__()
-        _refuse_compiled_whole(module)
-        if not isinstance(module, nn.Sequential):
-            raise TypeError(
-                f"GPipe takes an nn.Sequential, got {type(module).__name__}; wrap your layers "
-                "in nn.Sequential(...) in the order they run"
-            )
-        if isinstance(virtual_stages, bool) or not isinstance(virtual_stages, int):
-            raise TypeError(f"virtual_stages must be an int, got {virtual_stages!r}")
-        if virtual_stages < 1:
-            raise ValueError(f"virtual_stages must be >= 1, got {virtual_stages}")
-        _check_balance_type(balance)
-        _check_flag("track_memory", track_memory)
-        _check_flag("deferred_batch_norm", deferred_batch_norm)
+        check_model(module, "GPipe")
+        check_virtual(virtual_stages)
+        check_balance_type(balance)
+        check_flag("track_memory", track_memory)
+        check_flag("deferred_batch_norm", deferred_batch_norm)
         # NOTE: str() as torchgpipe does, so a str-like mode object works; then validated.
         self.checkpoint = check_checkpoint(str(checkpoint))
         self.chunks = chunks
@@ -271,7 +242,7 @@ class GPipe(nn.Module):
 
     @chunks.setter
     def chunks(self, value: int) -> None:
-        self._chunks = _check_chunks(value)
+        self._chunks = check_chunks(value)
 
     # -- nn.Sequential-like access to the user's layers --------------------------------
 
@@ -441,18 +412,7 @@ class GPipe(nn.Module):
             TypeError: a weight that is not a number or a 0-dim tensor, or a ``loss_fn``
                 that is not callable.
         """
-        if reduction not in ("mean", "sum"):
-            raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
-        if microbatch_weight is not None and reduction != "mean":
-            raise ValueError(
-                "microbatch_weight weights micro-batch losses that are means, as "
-                "reduction='mean' does; with a summed loss drop it (reduction='sum' adds them)"
-            )
-        if not callable(loss_fn):
-            raise TypeError(
-                f"loss_fn must be a function loss_fn(output, target) -> scalar, such as "
-                f"torch.nn.functional.mse_loss; got {loss_fn!r}"
-            )
+        check_loss_arguments(loss_fn, reduction, microbatch_weight)
         if not torch.is_grad_enabled():
             raise RuntimeError("train_step needs autograd: call it outside torch.no_grad()")
         check_batch_dims(target_batch_dims, "target_batch_dims")
@@ -470,12 +430,9 @@ class GPipe(nn.Module):
                 "train_step(..., target_batch_dims=...)"
             )
         targets = scatter(target, len(microbatches), target_batch_dims, what="target")
-        if microbatch_weight is not None:
-            weights = _normalized([_weight(microbatch_weight, t, i) for i, t in enumerate(targets)])
-        elif reduction == "mean":
-            weights = [size / total for size in sizes]
-        else:
-            weights = [1.0] * len(microbatches)
+        weights = microbatch_weights(targets, sizes, reduction, microbatch_weight)
+        if reduction == "mean":
+            weights = normalized(weights, sum(weights))
         last_device = self._stages.device_of(self._stages.last)
         loss = Loss(loss_fn, [_on(t, last_device) for t in targets], weights)
         schedule = self._schedule_for(len(microbatches))
@@ -484,11 +441,7 @@ class GPipe(nn.Module):
             step.transport.send((ACTIVATION, 0, i), to_stage(mb))
         self._run_committing(step, schedule)
         backward_into_input(step, microbatches)
-        # NOTE: a micro-batch of weight 0 is left out, not multiplied by 0: its loss may be nan
-        terms = [
-            w * value for w, value in zip(weights, step.state.losses) if w and value is not None
-        ]
-        return torch.stack(terms).sum()
+        return weighted_total(weights, step.state.losses)
 
     def close(self) -> None:
         """End the pipe's worker threads now instead of when the pipe is garbage collected.
@@ -500,40 +453,16 @@ class GPipe(nn.Module):
     # -- pieces ------------------------------------------------------------------------
 
     def _schedule_for(self, microbatches: int) -> Schedule:
-        """The pipe's schedule for ``microbatches``, validated once, so none can hang a step."""
+        """The pipe's schedule for ``microbatches``, built and validated once per count."""
         if microbatches not in self._schedules:
-            given = self.schedule
-            if isinstance(given, Schedule):
-                if microbatches != given.microbatches:
-                    raise ValueError(
-                        f"the schedule {given.name!r} was built for {given.microbatches} "
-                        f"micro-batches, but this batch splits into {microbatches}: pass a "
-                        "batch of at least chunks samples, or a schedule name, which is "
-                        "built for any micro-batch count"
-                    )
-                schedule = given
-            else:
-                schedule = make_schedule(
-                    given, len(self.devices), microbatches, virtual_stages=self.virtual_stages
-                )
-            stages = len(self.devices) * self.virtual_stages
-            if schedule.devices != len(self.devices) or schedule.stages != stages:
-                raise ValueError(
-                    f"schedule {schedule.name!r} has {schedule.devices} devices x "
-                    f"{schedule.stages} stages, but the pipe has {len(self.devices)} devices x "
-                    f"{stages} stages; give virtual_stages={schedule.virtual_stages} and one "
-                    "balance entry per stage"
-                )
-            if self._schedules:
-                first = next(iter(self._schedules.values()))
-                if schedule.placement != first.placement:
-                    raise ValueError(
-                        f"schedule {schedule.name!r} for {microbatches} micro-batches places "
-                        f"the stages on devices {schedule.placement}, but the pipe holds them "
-                        f"on {first.placement}"
-                    )
-            validate(schedule)
-            self._schedules[microbatches] = schedule
+            held = next(iter(self._schedules.values())).placement if self._schedules else None
+            self._schedules[microbatches] = schedule_for(
+                self.schedule,
+                len(self.devices),
+                microbatches,
+                virtual_stages=self.virtual_stages,
+                placement=held,
+            )
         return self._schedules[microbatches]
 
     def _scatter(self, input: Any) -> tuple[list[Any], list[int]]:
@@ -567,21 +496,9 @@ class GPipe(nn.Module):
         return step
 
     def _run_committing(self, step: Step, schedule: Schedule) -> None:
-        """Run ``schedule`` (all the step's forwards among its actions), then commit batch norm.
-
-        Deferred batch norm folds its sums in once every micro-batch has run forward, and
-        drops them if the step fails, so a failed step leaves the statistics as they were.
-        """
-        for layer in self._deferred:
-            layer.discard()  # sums from forwards outside the pipe count for nothing
-        try:
+        """Run ``schedule``; deferred batch norm folds its statistics in if the step succeeds."""
+        with committing(self._deferred):
             step.run(schedule.actions)
-        except BaseException:
-            for layer in self._deferred:
-                layer.discard()
-            raise
-        for layer in self._deferred:
-            layer.commit()
 
     def _check_placement(self) -> None:
         for stage, partition in enumerate(self.partitions):
@@ -597,22 +514,6 @@ class GPipe(nn.Module):
                     )
 
 
-def _refuse_compiled_whole(module: Any) -> None:
-    """A compiled whole model would never be called (the pipe calls its layers): say so."""
-    fix = (
-        "compile the layers instead: `for layer in model: layer.compile()` (or "
-        "nn.Sequential(*(torch.compile(layer) for layer in layers))), then GPipe(model, ...)"
-    )
-    why = "the pipe calls the model's layers stage by stage, never the compiled whole"
-    # NOTE: looked up only if Dynamo is loaded (importing it takes seconds): else nothing is
-    # compiled.
-    dynamo = sys.modules.get("torch._dynamo")
-    if dynamo is not None and isinstance(module, dynamo.eval_frame.OptimizedModule):
-        raise TypeError(f"GPipe got torch.compile(model): {why}; {fix}")
-    if getattr(module, "_compiled_call_impl", None) is not None:
-        raise ValueError(f"GPipe got model.compile(): {why}, so nothing would compile; {fix}")
-
-
 def _on(value: Any, device: torch.device) -> Any:
     return map_tensors(lambda t: t.to(device), value)
 
@@ -624,38 +525,3 @@ def _identity(input: Any) -> Any:
             f"expected a tensor, or a tuple/list/dict holding tensors, got {type(input).__name__}"
         )
     return input
-
-
-def _weight(microbatch_weight: Callable[[Any], Any], target: Any, index: int) -> float:
-    """One micro-batch's weight, checked: a finite number >= 0."""
-    value = microbatch_weight(target)
-    if isinstance(value, torch.Tensor):
-        if value.dim() != 0:
-            raise TypeError(
-                "microbatch_weight must return a number or a 0-dim tensor, got a tensor of "
-                f"shape {tuple(value.shape)} for micro-batch {index}; reduce it to one number, "
-                "e.g. (target != -100).sum()"
-            )
-        value = value.item()
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(
-            "microbatch_weight must return a number or a 0-dim tensor, got "
-            f"{value!r} for micro-batch {index}"
-        )
-    weight = float(value)
-    if not math.isfinite(weight) or weight < 0:
-        raise ValueError(
-            f"microbatch_weight gave micro-batch {index} the weight {weight}; each weight "
-            "must be a finite number >= 0 (what its loss is a mean over, e.g. its real tokens)"
-        )
-    return weight
-
-
-def _normalized(weights: list[float]) -> list[float]:
-    total = sum(weights)
-    if total == 0:
-        raise ValueError(
-            "every micro-batch has weight 0 (every target is padding?): the loss of the batch "
-            "is a mean over nothing; skip this batch"
-        )
-    return [w / total for w in weights]

@@ -21,7 +21,7 @@ from typing import Any
 
 from gpipe.runtime.transport import Aborted
 
-__all__ = ["Failure", "FaultChannel", "PipelineFailure"]
+__all__ = ["Failure", "FaultChannel", "PipelineFailure", "wait_for"]
 
 
 @dataclass(frozen=True)
@@ -139,8 +139,14 @@ class FaultChannel:
             return
 
     def close(self) -> None:
-        """Stop watching (the thread ends within one poll)."""
+        """Stop watching, and wait (one poll at most) for the watcher to end.
+
+        NOTE: a watcher still asking the store while the interpreter exits can abort the
+        process (the store goes away under a thread in C++); pipes close at exit for that.
+        """
         self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=2 * self._poll + 1)
 
     def _watch(self) -> None:
         while not self._stop.wait(self._poll):
@@ -157,3 +163,50 @@ class FaultChannel:
 
 def _load(payload: bytes) -> Failure:
     return Failure(**json.loads(payload.decode()))
+
+
+def wait_for(
+    work: Any, faults: FaultChannel, failed: Callable[[], Failure | None], rank: int
+) -> None:
+    """Wait for a torch.distributed ``work``, or for a failure anywhere, whichever comes first.
+
+    NOTE: a gloo wait cannot be interrupted, and a timed-out one breaks the link, so a
+    thread waits for the work while this one watches for a failure (``failed()``, which the
+    fault channel sets): a rank that fails while the others sit in a collective still ends
+    them all at once.
+
+    Raises:
+        PipelineFailure: a rank reported a failure, or a link broke (its cause named if
+            the failing rank reported one within a second).
+    """
+    done = threading.Event()
+    broke: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            work.wait()
+        except BaseException as error:
+            broke.append(error)
+        finally:
+            done.set()
+
+    threading.Thread(target=wait, name="gpipe-collective", daemon=True).start()
+    while not done.wait(0.05):
+        failure = failed()
+        if failure is not None:
+            raise PipelineFailure(failure, rank)
+    if broke:
+        raise PipelineFailure(_cause(broke[0], faults, failed), rank) from broke[0]
+
+
+def _cause(
+    error: BaseException, faults: FaultChannel, failed: Callable[[], Failure | None]
+) -> Failure:
+    """Why a link broke: the failure some rank reported, if it comes within a second."""
+    for _ in range(10):
+        failure = failed() or faults.check()
+        if failure is not None:
+            return failure
+        time.sleep(0.1)
+    text = str(error).splitlines()[0] if str(error) else type(error).__name__
+    return Failure(-1, f"a rank left the job without reporting why ({text})")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 import socket
@@ -10,6 +11,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from gpipe.distributed.mesh import device
 
 __all__ = ["device", "init", "spawn"]
 
@@ -58,15 +61,22 @@ def init(
     if not isinstance(timeout, datetime.timedelta):
         timeout = datetime.timedelta(seconds=timeout)
     dist.init_process_group(backend, timeout=timeout)
+    atexit.register(_shutdown)
     return dist.get_rank(), dist.get_world_size()
 
 
-def device() -> torch.device:
-    """This rank's device: ``cuda:LOCAL_RANK`` with CUDA, else the CPU."""
-    if torch.cuda.is_available() and torch.cuda.device_count():
-        local = int(os.environ.get("LOCAL_RANK", "0"))
-        return torch.device("cuda", local % torch.cuda.device_count())
-    return torch.device("cpu")
+def _shutdown() -> None:
+    """At exit: stop the pipes' threads, then destroy the process group ``init`` made.
+
+    NOTE: a process that exits with its groups alive may abort in their C++ teardown
+    (measured: 2 exits in 6 after one extra group); destroying them first does not. After
+    a failure a receive may still be pending, and destroying would wait for it: then the
+    groups are left as they are.
+    """
+    from gpipe.distributed.pipe import close_all
+
+    if close_all() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def spawn(

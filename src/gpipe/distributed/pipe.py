@@ -1,22 +1,20 @@
-"""DistributedGPipe: the SPMD front end, one pipeline device per process.
+"""DistributedGPipe: the SPMD front end, one pipeline device per process, replicas optional.
 
 Every rank builds ``DistributedGPipe(model, ...)`` from the same arguments. Each keeps only
 its own stages (materializing them if the model was built on the meta device), runs only its
-own action list with the same StageWorker as the local pipe, and talks to the other ranks
-through the point-to-point transport. The first stage's rank reads the inputs, the last
-stage's rank computes the loss, and the loss comes back on every rank.
+own action list with the same StageWorker as the local pipe, and talks to the other ranks of
+its pipeline through the point-to-point transport. The first stage's rank reads the inputs,
+the last stage's rank computes the loss, and the loss comes back on every rank. With
+``dp_size`` > 1 the job holds that many replicas of the pipeline (see
+:mod:`gpipe.distributed.mesh` for the rank order), each on its part of the batch.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import datetime
 import itertools
 import os
-import statistics
-import threading
-import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -25,17 +23,37 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-import gpipe
-from gpipe.analysis import Costs, Event, Timeline, Transfer, simulate
+from gpipe.analysis import Timeline
+from gpipe.arguments import check_balance_type, check_chunks, check_flag, check_model, check_virtual
 from gpipe.balance import balance_by_params
-from gpipe.batchnorm import DeferredBatchNorm, convert_deferred_batch_norm
+from gpipe.batchnorm import (
+    DeferredBatchNorm,
+    committing,
+    convert_deferred_batch_norm,
+    refuse_reused_batch_norm,
+)
 from gpipe.checkpoint import check_checkpoint
+from gpipe.distributed.clipping import clip_grad_norm_
 from gpipe.distributed.clock import offsets_to_rank0
-from gpipe.distributed.faults import Failure, FaultChannel, PipelineFailure
-from gpipe.distributed.launch import device as default_device
+from gpipe.distributed.faults import Failure, FaultChannel, wait_for
+from gpipe.distributed.fingerprint import check_same_everywhere
 from gpipe.distributed.link import measure_link
-from gpipe.distributed.transport import P2PTransport
-from gpipe.microbatch import batch_size, gather, scatter
+from gpipe.distributed.materialize import keep_only
+from gpipe.distributed.mesh import Layout, groups_for
+from gpipe.distributed.mesh import device as default_device
+from gpipe.distributed.replicas import GradientSync, last_gradient_actions
+from gpipe.distributed.ties import TiedWeights, find_ties, tie_groups
+from gpipe.distributed.timeline import gather_timeline, predict
+from gpipe.distributed.transport import P2PTransport, inbound
+from gpipe.loss import check_loss_arguments, microbatch_weights, normalized, weighted_total
+from gpipe.microbatch import (
+    BatchDims,
+    batch_size,
+    check_batch_dims,
+    gather,
+    microbatch_sizes,
+    scatter,
+)
 from gpipe.partition import check_balance, split_module
 from gpipe.randomness import draw_step_seed
 from gpipe.runtime.caller import backward_into_input, to_stage
@@ -43,36 +61,56 @@ from gpipe.runtime.stages import Stages
 from gpipe.runtime.state import Loss, StepState
 from gpipe.runtime.step import Step
 from gpipe.runtime.transport import ACTIVATION
-from gpipe.schedule import BACKWARD, FORWARD, Action, Schedule, make_schedule, validate
+from gpipe.schedule import FORWARD, Action, Schedule, schedule_for
 from gpipe.structure import map_tensors
 
-__all__ = ["DistributedGPipe"]
+__all__ = ["DistributedGPipe", "close_all"]
 
 _COUNTER = itertools.count()
+_LINKS: dict[tuple[int, ...], tuple[float, float]] = {}
+_OPEN: weakref.WeakSet[DistributedGPipe] = weakref.WeakSet()
+
+
+def close_all() -> bool:
+    """Stop every open pipe's threads; whether none of them saw a failure."""
+    healthy = True
+    for pipe in list(_OPEN):
+        healthy = healthy and pipe._transport.failure is None
+        pipe.close()
+    return healthy
 
 
 class DistributedGPipe(nn.Module):
     """Run an ``nn.Sequential`` as a pipeline with one device per process (torchrun).
 
     Every rank constructs it with the same arguments and calls the same methods in the same
-    order (SPMD). The pipeline devices are the ranks of the job, in order: stage placement
-    follows the schedule (device ``d`` is rank ``d``).
+    order (SPMD). Pipeline device ``d`` of replica ``r`` is rank ``r * pp + d``, where
+    ``pp = world_size / dp_size``; stages go to devices as the schedule places them.
 
     Args:
         module: the model, an ``nn.Sequential``; it may live on the meta device, in which
             case only this rank's layers are ever materialized.
-        balance: layers per model stage (``world_size * virtual_stages`` entries); None
-            evens out parameter counts.
-        chunks: M, micro-batches per mini-batch.
+        balance: layers per model stage (``pp * virtual_stages`` entries); None or
+            "params" evens out parameter counts.
+        chunks: M, micro-batches per mini-batch (of each replica).
         checkpoint: "always", "except_last" or "never" (as :class:`gpipe.GPipe`).
-        schedule: the schedule's name (as :class:`gpipe.GPipe`).
-        virtual_stages: model stages per rank.
+        schedule: a schedule name or a :class:`~gpipe.schedule.Schedule` (as
+            :class:`gpipe.GPipe`).
+        virtual_stages: model stages per rank (2 for "zb-v").
+        dp_size: replicas of the pipeline; each runs on its part of the batch and the
+            gradients are summed over them.
+        zero: with ``make_optimizer``, shard optimizer state over the replicas
+            (``torch.distributed.optim.ZeroRedundancyOptimizer``).
+        tied: pairs of parameter names (as in the user's model) to keep tied; a Parameter
+            object used by stages on different ranks is tied without asking.
         init_fn: initializes this rank's layers after materialization from meta, applied
             like ``layer.apply(init_fn)``; by default each submodule's own
             ``reset_parameters()``.
         timeout: seconds a rank waits for a message before declaring its sender lost.
         track_memory: count the bytes each rank holds for backward (for the timeline).
         deferred_batch_norm: as :class:`gpipe.GPipe`.
+        input_batch_dims: where the input is batched (as :class:`gpipe.GPipe`).
+        output_batch_dims: where ``eval_step``'s output is batched.
         overlap: receive ahead of need and send in the background (the default). False
             makes every transfer wait for both sides, to measure what overlap is worth;
             only for schedules whose ranks consume each peer's messages in the order sent
@@ -80,25 +118,30 @@ class DistributedGPipe(nn.Module):
 
     Raises:
         RuntimeError: the process group is not initialized (call ``gpipe.distributed.init()``).
-        TypeError: ``module`` is not an ``nn.Sequential``.
-        ValueError: a configuration that cannot run (more stages than layers, a balance
-            that does not fit, ranks given different arguments...), raised on every rank
-            before any step.
+        TypeError: ``module`` is not an ``nn.Sequential``, or an argument of the wrong type.
+        ValueError: a configuration that cannot run (a world size that does not fit, more
+            stages than layers, a balance that does not fit, ranks given different
+            arguments...), raised on every rank before any step.
     """
 
     def __init__(
         self,
         module: nn.Sequential,
-        balance: Sequence[int] | None = None,
+        balance: Sequence[int] | str | None = None,
         *,
         chunks: int = 1,
         checkpoint: str = "except_last",
-        schedule: str = "gpipe",
+        schedule: str | Schedule = "gpipe",
         virtual_stages: int = 1,
+        dp_size: int = 1,
+        zero: bool = False,
+        tied: Sequence[tuple[str, str]] = (),
         init_fn: Callable[[nn.Module], None] | None = None,
         timeout: float = 300.0,
         track_memory: bool = True,
         deferred_batch_norm: bool = False,
+        input_batch_dims: BatchDims = 0,
+        output_batch_dims: BatchDims = 0,
         overlap: bool = True,
     ) -> None:
         super().__init__()
@@ -107,64 +150,96 @@ class DistributedGPipe(nn.Module):
                 "DistributedGPipe needs a process group: call gpipe.distributed.init() first "
                 "(and launch with torchrun)"
             )
-        if not isinstance(module, nn.Sequential):
-            raise TypeError(f"DistributedGPipe takes an nn.Sequential, got {type(module).__name__}")
-        if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
-            raise ValueError(f"chunks must be an int >= 1, got {chunks!r}")
+        check_model(module, "DistributedGPipe")
+        check_virtual(virtual_stages)
+        check_balance_type(balance)
+        for name, flag in [("zero", zero), ("track_memory", track_memory)]:
+            check_flag(name, flag)
+        check_flag("deferred_batch_norm", deferred_batch_norm)
+        if isinstance(dp_size, bool) or not isinstance(dp_size, int) or dp_size < 1:
+            raise ValueError(f"dp_size must be a whole number >= 1, got {dp_size!r}")
         if not timeout > 0:
             raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
-        self.rank = dist.get_rank()
-        self.ranks = list(range(dist.get_world_size()))
-        self.device_index = self.ranks.index(self.rank)
+        world = dist.get_world_size()
+        if world % dp_size:
+            raise ValueError(
+                f"the job has {world} ranks, which dp_size={dp_size} replicas cannot share "
+                f"equally: launch a multiple of {dp_size} processes"
+            )
+        self.layout = Layout(dp_size, world // dp_size, dist.get_rank())
+        self.rank = self.layout.rank
         self.chunks = chunks
-        self.checkpoint = check_checkpoint(checkpoint)
+        self.checkpoint = check_checkpoint(str(checkpoint))
+        self.input_batch_dims = check_batch_dims(input_batch_dims, "input_batch_dims")
+        self.output_batch_dims = check_batch_dims(output_batch_dims, "output_batch_dims")
         self.schedule = schedule
         self.virtual_stages = virtual_stages
+        self.zero = zero
         self.track_memory = track_memory
         self.timeout = float(timeout)
         self.torch_device = default_device()
-        devices = len(self.ranks)
-        stages = devices * virtual_stages
+        pp = self.layout.pp
+        stages = pp * virtual_stages
         if stages > len(module):
             raise ValueError(
-                f"{devices} ranks x {virtual_stages} virtual stages = {stages} stages, but the "
-                f"model has {len(module)} layers: launch at most {len(module) // virtual_stages}"
-                " processes, or split the model into more layers"
+                f"{pp} pipeline ranks x {virtual_stages} virtual stages = {stages} stages, but "
+                f"the model has {len(module)} layers: launch at most "
+                f"{len(module) // virtual_stages * dp_size} processes, or split the model "
+                "into more layers"
             )
-        if balance is None:
-            balance = balance_by_params(module, stages)
-        self.balance = check_balance(module, balance)
+        self.balance = check_balance(module, _balance(module, balance, stages))
         if len(self.balance) != stages:
             raise ValueError(
-                f"balance lists {len(self.balance)} stages but the job has {devices} ranks x "
-                f"{virtual_stages} virtual stages = {stages}: give one entry per stage, or "
-                f"launch {len(self.balance) // virtual_stages} processes"
+                f"balance lists {len(self.balance)} stages but the job has {pp} pipeline ranks "
+                f"x {virtual_stages} virtual stages = {stages}: give one entry per stage, or "
+                f"launch {len(self.balance) // virtual_stages * dp_size} processes"
             )
         self._schedules: dict[int, Schedule] = {}
-        placement = self._schedule_for(chunks).placement
-        self._check_same_everywhere(module)
+        placement = self._schedule_for(self.chunks).placement
+        check_same_everywhere(
+            {
+                "schedule": schedule if isinstance(schedule, str) else "a Schedule",
+                "balance": self.balance,
+                "chunks": self.chunks,
+                "checkpoint": self.checkpoint,
+                "virtual_stages": virtual_stages,
+                "dp_size": dp_size,
+                "zero": zero,
+                "layers": [type(layer).__name__ for layer in module],
+            }
+        )
 
         if deferred_batch_norm:
+            refuse_reused_batch_norm(module)
             convert_deferred_batch_norm(module)
-        partitions = split_module(module, self.balance)
-        self.local_stages = [s for s in range(stages) if placement[s] == self.device_index]
-        held: list[nn.Module | None] = []
-        for stage, partition in enumerate(partitions):
-            if stage in self.local_stages:
-                _materialize(partition, self.torch_device, init_fn)
-                held.append(partition)
-            else:
-                partition.to("meta")  # frees this rank's copy of layers it does not run
-                held.append(None)
+        partitions = list(split_module(module, self.balance))
+        self.ties = find_ties(partitions, placement, tied)
+        self.local_stages = [s for s in range(stages) if placement[s] == self.layout.position]
+        held = [p if s in self.local_stages else None for s, p in enumerate(partitions)]
+        keep_only(partitions, held, self.torch_device, init_fn)
         self.partitions = nn.ModuleList([p for p in held if p is not None])
         self._deferred = [
             m for p in self.partitions for m in p.modules() if isinstance(m, DeferredBatchNorm)
         ]
-        self._stages = Stages(held, [self.torch_device] * devices, placement)
+        self._stages = Stages(held, [self.torch_device] * pp, placement)
 
-        self._group, self._control = _process_groups(tuple(self.ranks), self.timeout)
-        self._clock_offset_ns = offsets_to_rank0(self.ranks, self._control)
-        self._link = _link_of(tuple(self.ranks), self._control)
+        self.groups = groups_for(self.layout, self.timeout, self.torch_device.type)
+        self.mesh = self.groups.mesh
+        groups = tie_groups(self.ties, self.layout.grid(), datetime.timedelta(seconds=self.timeout))
+        self._tied = TiedWeights(
+            self.ties,
+            groups,
+            self.local_stages,
+            self.layout.position,
+            self.layout.pipeline,
+            self.user_view(),
+        )
+        self._tied.start_alike()
+        pipeline = self.layout.pipeline
+        self._clock_offset_ns = offsets_to_rank0(pipeline, self.groups.control)
+        if tuple(pipeline) not in _LINKS:
+            _LINKS[tuple(pipeline)] = measure_link(pipeline, self.groups.control)
+        self._link = _LINKS[tuple(pipeline)]
         # NOTE: the default store is the one every rank already shares (torchrun's agent's
         # or rank 0's); torch offers no public accessor for it.
         store = dist.distributed_c10d._get_default_store()
@@ -179,16 +254,26 @@ class DistributedGPipe(nn.Module):
         self._faults = FaultChannel(store, f"gpipe/pipe{next(_COUNTER)}", self.rank, on_failure)
         self._transport = P2PTransport(
             placement,
-            self.device_index,
-            self.ranks,
+            self.layout.position,
+            pipeline,
             self.torch_device,
-            self._group,
-            self._control,
+            self.groups.pipeline,
+            self.groups.control,
             self.timeout,
             self._faults.publish,
             overlap,
         )
         self._last: tuple[Step, Schedule] | None = None
+        _OPEN.add(self)
+
+    @property
+    def chunks(self) -> int:
+        """M, micro-batches per mini-batch of each replica; settable (an int, or ``8.0``)."""
+        return self._chunks
+
+    @chunks.setter
+    def chunks(self, value: int) -> None:
+        self._chunks = check_chunks(value)
 
     # -- training ----------------------------------------------------------------------
 
@@ -199,156 +284,174 @@ class DistributedGPipe(nn.Module):
         loss_fn: Callable[[Any, Any], torch.Tensor],
         *,
         reduction: str = "mean",
+        microbatch_weight: Callable[[Any], Any] | None = None,
+        target_batch_dims: BatchDims = 0,
+        local_batch: bool = False,
     ) -> torch.Tensor:
         """One pipelined forward and backward; every rank calls it.
 
-        ``input`` is read on the first stage's rank and ``target`` on the last stage's;
-        the other ranks may pass anything (None). Gradients accumulate in this rank's
-        parameters; call ``optimizer.step()`` on every rank.
+        ``input`` is read on the first stage's ranks and ``target`` on the last stage's;
+        the other ranks may pass anything (None). With replicas, each replica takes its
+        part of the batch (the batch split into ``dp_size`` parts along its batch dims), or,
+        with ``local_batch=True``, the batch given to it is its own part. The micro-batch
+        losses are weighted over the whole batch of every replica, so the loss and the
+        gradients equal plain training on the whole batch. Gradients accumulate in this
+        rank's parameters; call ``optimizer.step()`` on every rank.
+
+        Args:
+            input, target, loss_fn, reduction, microbatch_weight, target_batch_dims: as
+                :meth:`gpipe.GPipe.train_step`.
+            local_batch: ``input`` and ``target`` are this replica's part, not the whole.
 
         Returns:
-            The loss of the whole mini-batch (detached), on every rank.
+            The loss of the whole batch (detached), on every rank.
         """
-        if reduction not in ("mean", "sum"):
-            raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+        check_loss_arguments(loss_fn, reduction, microbatch_weight)
+        check_batch_dims(target_batch_dims, "target_batch_dims")
+        check_flag("local_batch", local_batch)
+        if not torch.is_grad_enabled():
+            raise RuntimeError("train_step needs autograd: call it outside torch.no_grad()")
         with self._failing_together():
-            return self._train_step(input, target, loss_fn, reduction)
-
-    def _train_step(
-        self, input: Any, target: Any, loss_fn: Callable[[Any, Any], torch.Tensor], reduction: str
-    ) -> torch.Tensor:
-        first, last = self._holds(0), self._holds(self._stages.last)
-        microbatches = scatter(input, self.chunks) if first else None
-        count, total, seed = self._begin(
-            None if microbatches is None else (len(microbatches), batch_size(input))
-        )
-        schedule = self._schedule_for(count)
-        loss = None
-        if last:
-            if batch_size(target) != total:
-                raise ValueError(
-                    f"target has batch size {batch_size(target)} but the input has {total}; "
-                    "give one target per sample"
+            first, last = self._holds(0), self._holds(self._stages.last)
+            part = self._part_of(input, self.input_batch_dims, "input", local_batch, first)
+            microbatches = scatter(part, self.chunks, self.input_batch_dims) if first else None
+            count, total, seed = self._begin(part, microbatches)
+            schedule = self._schedule_for(count)
+            loss = None
+            if last:
+                mine = self._part_of(target, target_batch_dims, "target", local_batch, last)
+                loss = self._loss(
+                    mine, target_batch_dims, count, total, loss_fn, reduction, microbatch_weight
                 )
-            targets = [_on(t, self.torch_device) for t in scatter(target, count)]
-            weights = [batch_size(t) / total if reduction == "mean" else 1.0 for t in targets]
-            loss = Loss(loss_fn, targets, weights)
-        step = self._run(schedule, count, seed, grad=True, loss=loss, inputs=microbatches)
-        if first and microbatches is not None:
-            backward_into_input(step, microbatches)
-        value = torch.zeros((), dtype=torch.float64)
-        if loss is not None:
-            parts = [w * v for w, v in zip(loss.weights, step.state.losses) if v is not None]
-            value = torch.stack(parts).sum().double().cpu()
-        source = self._rank_of(self._stages.last)
-        self._collective(lambda: dist.broadcast(value, source, self._control, async_op=True))
-        return value.to(self.torch_device)
+            sync = self._gradient_sync(schedule)
+            step = self._run(
+                schedule,
+                count,
+                seed,
+                grad=True,
+                loss=loss,
+                inputs=microbatches,
+                after=None if sync is None else sync.after,
+            )
+            if sync is not None:
+                sync.finish(self._wait)
+            self._tied.sum_gradients(self._wait)
+            if microbatches is not None:
+                backward_into_input(step, microbatches)
+            value = torch.zeros((), dtype=torch.float64)
+            if loss is not None:
+                value = weighted_total(loss.weights, step.state.losses).double().cpu()
+                if self.layout.dp > 1:
+                    self._collective(
+                        lambda: dist.all_reduce(value, group=self.groups.replicas, async_op=True)
+                    )
+            source = self._rank_of(self._stages.last)
+            self._collective(
+                lambda: dist.broadcast(value, source, self.groups.control, async_op=True)
+            )
+            return value.to(self.torch_device)
 
     @torch.no_grad()
-    def eval_step(self, input: Any) -> Any:
-        """Forward only: the output on the last stage's rank, None on the others."""
-        with self._failing_together():
-            return self._eval_step(input)
+    def eval_step(self, input: Any, *, local_batch: bool = False) -> Any:
+        """Forward only: the output on the last stage's rank, None on the others.
 
-    def _eval_step(self, input: Any) -> Any:
-        first, last = self._holds(0), self._holds(self._stages.last)
-        microbatches = scatter(input, self.chunks) if first else None
-        count, _, seed = self._begin(
-            None if microbatches is None else (len(microbatches), batch_size(input))
+        With replicas, each replica runs its part of the batch and its last stage's rank
+        returns that part's output.
+        """
+        with self._failing_together():
+            first, last = self._holds(0), self._holds(self._stages.last)
+            part = self._part_of(input, self.input_batch_dims, "input", local_batch, first)
+            microbatches = scatter(part, self.chunks, self.input_batch_dims) if first else None
+            count, total, seed = self._begin(part, microbatches)
+            forwards = self._schedule_for(count).only([FORWARD])
+            step = self._run(forwards, count, seed, grad=False, loss=None, inputs=microbatches)
+            if not last:
+                return None
+            end = self._stages.count
+            outputs = [step.transport.collect((ACTIVATION, end, i)) for i in range(count)]
+            sizes = microbatch_sizes(total, self.chunks)
+            return gather(outputs, self.output_batch_dims, sizes=sizes)
+
+    def make_optimizer(self, optimizer_class: type[torch.optim.Optimizer], **kwargs: Any) -> Any:
+        """An optimizer over this rank's parameters: sharded over the replicas with ``zero``.
+
+        ``pipe.make_optimizer(torch.optim.AdamW, lr=1e-3)`` is ``AdamW(pipe.parameters(),
+        lr=1e-3)``, or with ``zero=True`` a ``ZeroRedundancyOptimizer`` that keeps only
+        this rank's share of the state (the same trajectory, 1/dp_size of the memory).
+        """
+        if not self.zero or self.layout.dp == 1:
+            return optimizer_class(self.parameters(), **kwargs)
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        return ZeroRedundancyOptimizer(
+            self.parameters(),
+            optimizer_class=optimizer_class,
+            process_group=self.groups.replicas,
+            **kwargs,
         )
-        forwards = self._schedule_for(count).only([FORWARD])
-        step = self._run(forwards, count, seed, grad=False, loss=None, inputs=microbatches)
-        if not last:
-            return None
-        outputs = [
-            step.transport.collect((ACTIVATION, self._stages.count, i)) for i in range(count)
-        ]
-        return gather(outputs)
+
+    def clip_grad_norm_(
+        self,
+        max_norm: float,
+        norm_type: float = 2.0,
+        error_if_nonfinite: bool = False,
+        foreach: bool | None = None,
+    ) -> torch.Tensor:
+        """Clip the gradients of the whole model by their total norm, on every rank.
+
+        The norm is over every parameter of every stage (a tied weight counted once), as
+        ``torch.nn.utils.clip_grad_norm_`` on the plain model computes it; every rank gets
+        the same total norm and scales its gradients alike. Every rank must call it, after
+        ``train_step`` (the replicas' gradients are already summed then).
+
+        Raises:
+            RuntimeError: ``error_if_nonfinite`` and the norm is nan or inf (on every rank).
+        """
+        elsewhere = self._tied.counted_elsewhere()
+        parameters = list(self.parameters())
+        return clip_grad_norm_(
+            [p for p in parameters if id(p) not in elsewhere],
+            parameters,
+            max_norm,
+            self.groups.control,
+            norm_type=norm_type,
+            error_if_nonfinite=error_if_nonfinite,
+            foreach=foreach,
+        )
+
+    # -- timelines ---------------------------------------------------------------------
 
     @property
     def timeline(self) -> Timeline:
-        """The last step on every rank, on rank 0's clock, with the messages between ranks.
+        """The last step on every rank of this pipeline, on its first rank's clock.
 
-        A collective: every rank must ask for it, in the same order as its other calls.
-        Each rank's events are shifted by its clock's offset from rank 0's (measured when
-        the pipe was made), so the rows line up; ``transfers`` holds every message from its
-        hand-over by the sender to its arrival at the receiver.
+        A collective over the pipeline: each of its ranks must ask, in the same order as its
+        other calls. ``transfers`` holds every message between the ranks.
         """
         if self._last is None:
             raise RuntimeError("no step has run yet: call train_step or eval_step first")
         step, schedule = self._last
-        offset = self._clock_offset_ns
-
-        def seconds(ns: int) -> float:  # this rank's perf_counter_ns, on rank 0's clock
-            return (ns - offset) / 1e9
-
-        origin = seconds(step.state.origin_ns)
-        mine = {
-            "events": [
-                (str(e.action), origin + e.start, origin + e.end, e.memory)
-                for e in step.state.events[self.device_index]
-            ],
-            "sent": [(tag, peer, seconds(ns)) for tag, peer, ns in self._transport.sent],
-            "received": [
-                (t.tag, t.source, seconds(t.done_ns), t.nbytes) for t in self._transport.transfers
-            ],
-        }
-        gathered: list[Any] = [None] * len(self.ranks)
-        dist.all_gather_object(gathered, mine, group=self._control)
-        zero = min((e[1] for g in gathered for e in g["events"]), default=origin)
-        events = [
-            [
-                Event(Action.parse(a), start - zero, end - zero, m)
-                for a, start, end, m in g["events"]
-            ]
-            for g in gathered
-        ]
-        device = {rank: d for d, rank in enumerate(self.ranks)}
-        handed = {
-            (tuple(tag), device[self.ranks[d]], device[peer]): at
-            for d, g in enumerate(gathered)
-            for tag, peer, at in g["sent"]
-        }
-        transfers = []
-        for target, g in enumerate(gathered):
-            for tag, source_rank, arrived, nbytes in g["received"]:
-                source = device[source_rank]
-                start = handed.get((tuple(tag), source, target), arrived)
-                kind = FORWARD if tag[0] == ACTIVATION else BACKWARD
-                transfers.append(
-                    Transfer(
-                        kind, tag[1], tag[2], source, target, start - zero, arrived - zero, nbytes
-                    )
-                )
-        return Timeline(events, "s", schedule.name, transfers=transfers, processes=True)
+        return gather_timeline(
+            step,
+            schedule,
+            self._transport,
+            self.layout.position,
+            self.layout.pipeline,
+            self._clock_offset_ns,
+            self.groups.control,
+        )
 
     def predicted_timeline(self) -> Timeline:
         """The simulator's account of the last step, fed what this step measured.
 
         Each stage's F, B and W cost is the median of its measured durations; each message
         between ranks costs the link's latency plus its bytes over the link's bandwidth
-        (both measured between the first two ranks when the job's first pipe was made), with
-        each stage's median message size. Laid beside :attr:`timeline`
-        (``timeline.plot(path, compare=pipe.predicted_timeline())``) it shows what the step
-        lost to waiting and overhead. A collective, like :attr:`timeline`.
+        (both measured between the first two ranks when the job's first pipe was made).
+        A collective, like :attr:`timeline`.
         """
         measured = self.timeline
-        schedule = self._last[1] if self._last is not None else None
-        assert schedule is not None
-        sizes = [0.0] * schedule.stages  # what each stage receives, median over the step
-        for stage in range(1, schedule.stages):
-            came = [t.nbytes for t in measured.transfers if t.kind == FORWARD and t.stage == stage]
-            sizes[stage] = statistics.median(came) if came else 0.0
-        latency, bandwidth = self._link
-        costs = dataclasses.replace(
-            Costs.from_timeline(measured, stages=schedule.stages),
-            latency=latency,
-            bandwidth=bandwidth,
-            gradient_bytes=sizes,
-        )
-        predicted = simulate(schedule, costs)
-        predicted.unit, predicted.processes = "s", True
-        return predicted
+        assert self._last is not None
+        return predict(measured, self._last[1], self._link)
 
     # -- checkpoints -------------------------------------------------------------------
 
@@ -364,18 +467,16 @@ class DistributedGPipe(nn.Module):
         self,
         path: str | os.PathLike[str],
         *,
-        optimizer: torch.optim.Optimizer | None = None,
+        optimizer: Any = None,
         extra: dict[str, Any] | None = None,
     ) -> None:
-        """Save a checkpoint any layout can load; see :func:`gpipe.distributed.checkpoint.save`."""
+        """Save a checkpoint any layout can load (see :mod:`gpipe.distributed.checkpoint`)."""
         from gpipe.distributed.checkpoint import save
 
         save(self, path, optimizer=optimizer, extra=extra)
 
-    def load(
-        self, path: str | os.PathLike[str], *, optimizer: torch.optim.Optimizer | None = None
-    ) -> dict[str, Any]:
-        """Load a checkpoint; return its ``extra`` (see gpipe.distributed.checkpoint.load)."""
+    def load(self, path: str | os.PathLike[str], *, optimizer: Any = None) -> dict[str, Any]:
+        """Load a checkpoint; return its ``extra`` (see :mod:`gpipe.distributed.checkpoint`)."""
         from gpipe.distributed.checkpoint import load
 
         return load(self, path, optimizer=optimizer)
@@ -386,36 +487,70 @@ class DistributedGPipe(nn.Module):
         self._transport.close()
 
     def __del__(self) -> None:
-        faults = self.__dict__.get("_faults")
-        if faults is not None:
+        if self.__dict__.get("_faults") is not None:
             self.close()
 
-    # -- pieces ------------------------------------------------------------------------
+    # -- a step's pieces ---------------------------------------------------------------
 
-    @contextlib.contextmanager
-    def _failing_together(self) -> Iterator[None]:
-        """A step that fails on any rank fails on every rank, all naming the same cause."""
-        try:
-            yield
-        except BaseException:
-            if self._transport.failure is not None:
-                self._faults.acknowledge(len(self.ranks))
-            raise
+    def _part_of(self, value: Any, dims: BatchDims, what: str, local: bool, needed: bool) -> Any:
+        """This replica's part of the batch (the whole batch without replicas)."""
+        if not needed or local or self.layout.dp == 1:
+            return value
+        parts = scatter(value, self.layout.dp, dims, what=what)
+        if len(parts) < self.layout.dp:
+            raise ValueError(
+                f"the {what} batch has {len(parts)} samples for {self.layout.dp} replicas: "
+                "give each replica at least one"
+            )
+        return parts[self.layout.replica]
 
-    def _holds(self, stage: int) -> bool:
-        return self._stages.placement[stage] == self.device_index
-
-    def _rank_of(self, stage: int) -> int:
-        return self.ranks[self._stages.placement[stage]]
-
-    def _begin(self, mine: tuple[int, int] | None) -> tuple[int, int, int]:
-        """Agree on the step: micro-batches and batch size (from the first stage), seed."""
+    def _begin(self, part: Any, microbatches: list[Any] | None) -> tuple[int, int, int]:
+        """Agree on the step: micro-batches and samples (from the first stage), the seed."""
         seed = draw_step_seed() if self.training else 0
-        header = torch.tensor([0, 0, seed] if mine is None else [*mine, seed], dtype=torch.int64)
+        known = (
+            [0, 0]
+            if microbatches is None
+            else [
+                len(microbatches),
+                batch_size(part, self.input_batch_dims),
+            ]
+        )
+        header = torch.tensor([*known, seed], dtype=torch.int64)
         source = self._rank_of(0)
-        self._collective(lambda: dist.broadcast(header, source, self._control, async_op=True))
+        self._collective(lambda: dist.broadcast(header, source, self.groups.control, async_op=True))
         count, total, seed = header.tolist()
         return count, total, seed
+
+    def _loss(
+        self,
+        target: Any,
+        dims: BatchDims,
+        count: int,
+        total: int,
+        loss_fn: Callable[[Any, Any], torch.Tensor],
+        reduction: str,
+        microbatch_weight: Callable[[Any], Any] | None,
+    ) -> Loss:
+        """The loss on the last stage: targets cut like the input, weighted over the batch."""
+        size = batch_size(target, dims, what="target")
+        if size != total:
+            raise ValueError(
+                f"target has batch size {size} but input has {total}; give one target per "
+                "sample, or declare where the target is batched with "
+                "train_step(..., target_batch_dims=...)"
+            )
+        targets = scatter(target, count, dims, what="target")
+        weights = microbatch_weights(
+            targets, microbatch_sizes(total, self.chunks), reduction, microbatch_weight
+        )
+        if reduction == "mean":
+            whole = torch.tensor(sum(weights), dtype=torch.float64)
+            if self.layout.dp > 1:  # normalized over every replica's part of the batch
+                self._collective(
+                    lambda: dist.all_reduce(whole, group=self.groups.replicas, async_op=True)
+                )
+            weights = normalized(weights, float(whole))
+        return Loss(loss_fn, [_on(t, self.torch_device) for t in targets], weights)
 
     def _run(
         self,
@@ -426,182 +561,100 @@ class DistributedGPipe(nn.Module):
         grad: bool,
         loss: Loss | None,
         inputs: list[Any] | None,
+        after: Callable[[Action], None] | None = None,
     ) -> Step:
         state = StepState(
             count,
-            len(self.ranks),
+            self.layout.pp,
             grad=grad,
             checkpoint=self.checkpoint if (grad and self.training) else "never",
             seed=seed,
             loss=loss,
             split_backward=schedule.split_backward,
             track_memory=self.track_memory,
+            microbatch_offset=self.layout.replica * self.chunks,
+            after=after,
         )
         self._state = state
         step = Step(self._stages, self._transport, state)
-        self._transport.expect(_inbound(schedule, self.device_index, with_loss=grad))
+        self._transport.expect(inbound(schedule, self.layout.position))
         if inputs is not None:
             for i, mb in enumerate(inputs):
                 self._transport.send((ACTIVATION, 0, i), to_stage(mb))
         actions = [
-            schedule.actions[d] if d == self.device_index else () for d in range(len(self.ranks))
+            schedule.actions[d] if d == self.layout.position else () for d in range(self.layout.pp)
         ]
         self._last = (step, schedule)
-        step.run(actions)
-        self._transport.finish()
-        for layer in self._deferred:
-            layer.commit()
+        with committing(self._deferred):
+            step.run(actions)
+            self._transport.finish()
         return step
 
-    def _collective(self, start: Callable[[], Any]) -> None:
-        """Run a collective (``start`` returns its Work) and wait for it, or for a failure.
+    def _gradient_sync(self, schedule: Schedule) -> GradientSync | None:
+        if self.layout.dp == 1:
+            return None
+        parameters = {
+            stage: [p for p in self._stages.module(stage).parameters() if p.requires_grad]
+            for stage in self.local_stages
+        }
+        last = last_gradient_actions(schedule, self.layout.position)
+        return GradientSync(parameters, last, self.groups.replicas)
 
-        NOTE: a gloo wait cannot be interrupted, and a timed-out one breaks the link, so a
-        thread waits for the Work while this one watches the fault channel: a rank that
-        fails while the others sit in a collective still ends them all at once.
+    def _schedule_for(self, microbatches: int) -> Schedule:
+        if microbatches not in self._schedules:
+            held = next(iter(self._schedules.values())).placement if self._schedules else None
+            self._schedules[microbatches] = schedule_for(
+                self.schedule,
+                self.layout.pp,
+                microbatches,
+                virtual_stages=self.virtual_stages,
+                placement=held,
+            )
+        return self._schedules[microbatches]
 
-        Raises:
-            PipelineFailure: a rank reported a failure, or a link broke (its cause named if
-                the failing rank reported one).
-        """
-        done = threading.Event()
-        broke: list[BaseException] = []
+    def _holds(self, stage: int) -> bool:
+        return self._stages.placement[stage] == self.layout.position
 
-        def wait(work: Any) -> None:
-            try:
-                work.wait()
-            except BaseException as error:
-                broke.append(error)
-            finally:
-                done.set()
+    def _rank_of(self, stage: int) -> int:
+        return self.layout.pipeline[self._stages.placement[stage]]
 
-        threading.Thread(target=wait, args=(start(),), name="gpipe-collective", daemon=True).start()
-        while not done.wait(0.05):
+    # -- failures ----------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _failing_together(self) -> Iterator[None]:
+        """A step that fails on any rank fails on every rank, all naming the same cause."""
+        try:
+            yield
+        except BaseException:
             if self._transport.failure is not None:
-                raise PipelineFailure(self._transport.failure, self.rank)
-        if broke:
-            raise PipelineFailure(self._cause(broke[0]), self.rank) from broke[0]
+                self._faults.acknowledge(dist.get_world_size())
+            raise
 
-    def _cause(self, error: BaseException) -> Failure:
-        """Why a link broke: the failure some rank reported, if it comes within a second."""
-        for _ in range(10):
-            failure = self._transport.failure or self._faults.check()
-            if failure is not None:
-                return failure
-            time.sleep(0.1)
-        text = str(error).splitlines()[0] if str(error) else type(error).__name__
-        return Failure(-1, f"a rank left the job without reporting why ({text})")
+    def _collective(self, start: Callable[[], Any]) -> None:
+        """Run a collective (``start`` returns its Work) and wait for it, or for a failure."""
+        self._wait(start())
+
+    def _wait(self, work: Any) -> None:
+        wait_for(work, self._faults, lambda: self._transport.failure, self.rank)
 
     def _on_failure(self, failure: Failure) -> None:
         state = self._state
         if state is not None:
             state.failed = True  # the worker stops before its next action
-        self._transport._heard(failure)
-
-    def _schedule_for(self, microbatches: int) -> Schedule:
-        if microbatches not in self._schedules:
-            devices = len(self.ranks)
-            schedule = make_schedule(
-                self.schedule, devices, microbatches, virtual_stages=self.virtual_stages
-            )
-            validate(schedule)
-            self._schedules[microbatches] = schedule
-        return self._schedules[microbatches]
-
-    def _check_same_everywhere(self, module: nn.Sequential) -> None:
-        """Every rank must build the same pipe: compare a fingerprint of the arguments."""
-        mine = {
-            "schedule": self.schedule,
-            "balance": self.balance,
-            "chunks": self.chunks,
-            "checkpoint": self.checkpoint,
-            "virtual_stages": self.virtual_stages,
-            "layers": [type(layer).__name__ for layer in module],
-            "torch": torch.__version__,
-            "gpipe": gpipe.__version__,
-        }
-        everyone: list[Any] = [None] * len(self.ranks)
-        dist.all_gather_object(everyone, mine)
-        for rank, theirs in enumerate(everyone):
-            differ = [key for key in mine if theirs[key] != everyone[0][key]]
-            if differ:
-                shown = ", ".join(
-                    f"{key}: rank 0 has {everyone[0][key]!r}, rank {rank} has {theirs[key]!r}"
-                    for key in differ
-                )
-                raise ValueError(
-                    f"the ranks built different pipes ({shown}): every rank must construct "
-                    "DistributedGPipe with the same model and arguments"
-                )
+        self._transport.fail(failure)
 
 
-_GROUPS: dict[tuple[tuple[int, ...], float], tuple[Any, Any]] = {}
-_LINKS: dict[tuple[int, ...], tuple[float, float]] = {}
-
-
-def _link_of(ranks: tuple[int, ...], group: Any) -> tuple[float, float]:
-    """The link's latency and bandwidth, measured by the job's first pipe over ``ranks``."""
-    if ranks not in _LINKS:
-        _LINKS[ranks] = measure_link(list(ranks), group)
-    return _LINKS[ranks]
-
-
-def _process_groups(ranks: tuple[int, ...], timeout: float) -> tuple[Any, Any]:
-    """The groups a pipe's messages travel in: tensors, and headers (gloo, on the CPU).
-
-    Made once per set of ranks and timeout, and shared by every pipe over them: making a
-    group connects every pair of its ranks, which costs more than a step. Pipes on the same
-    groups must not run steps at the same time (SPMD code never does).
-    """
-    key = (ranks, timeout)
-    if key not in _GROUPS:
-        limit = datetime.timedelta(seconds=timeout)
-        tensors = dist.new_group(list(ranks), timeout=limit)
-        headers = (
-            tensors
-            if dist.get_backend() == "gloo"
-            else dist.new_group(list(ranks), timeout=limit, backend="gloo")
+def _balance(module: nn.Sequential, balance: Any, stages: int) -> Any:
+    """Layers per stage: as given, or evened out by parameter count."""
+    if balance is None or balance == "params":
+        return balance_by_params(module, stages)
+    if isinstance(balance, str):
+        raise ValueError(
+            f"DistributedGPipe takes balance=None, 'params' or a list of layers per stage, got "
+            f"{balance!r}; measure one in a single process (gpipe.balance_by_time(model, "
+            f"sample, {stages})) and pass the list it returns to every rank"
         )
-        _GROUPS[key] = (tensors, headers)
-    return _GROUPS[key]
-
-
-def _inbound(schedule: Schedule, device: int, *, with_loss: bool) -> dict[int, int]:
-    """How many messages ``device`` receives from each other device in one step."""
-    placement, last = schedule.placement, schedule.stages - 1
-    counts: dict[int, int] = {}
-    for action in schedule.actions[device]:
-        stage = action.stage
-        if action.kind == FORWARD and stage > 0:
-            source = placement[stage - 1]
-        elif action.kind == BACKWARD and stage < last:
-            source = placement[stage + 1]
-        else:
-            continue
-        if source != device:
-            counts[source] = counts.get(source, 0) + 1
-    del with_loss  # the last stage's backward starts from its own loss, never a message
-    return counts
-
-
-def _materialize(
-    partition: nn.Module, device: torch.device, init_fn: Callable[[nn.Module], None] | None
-) -> None:
-    """Move ``partition`` to ``device``; if it was on meta, allocate and initialize it."""
-    on_meta = any(t.is_meta for t in [*partition.parameters(), *partition.buffers()])
-    if not on_meta:
-        partition.to(device)
-        return
-    partition.to_empty(device=device)
-    with torch.no_grad():
-        for layer in partition.children():
-            if init_fn is not None:
-                layer.apply(init_fn)
-            else:
-                for sub in layer.modules():
-                    reset = getattr(sub, "reset_parameters", None)
-                    if callable(reset):
-                        reset()
+    return balance
 
 
 def _on(value: Any, device: torch.device) -> Any:

@@ -31,8 +31,9 @@ from gpipe.distributed.faults import Failure, PipelineFailure
 from gpipe.distributed.wire import Signature, decode, encode, flatten, rebuild, receive_buffers
 from gpipe.runtime.mailbox import Mailbox
 from gpipe.runtime.transport import ACTIVATION, GRADIENT, Aborted, Tag
+from gpipe.schedule import BACKWARD, FORWARD, Schedule
 
-__all__ = ["P2PTransport", "Transfer"]
+__all__ = ["P2PTransport", "Transfer", "inbound"]
 
 _KINDS = {ACTIVATION: 0, GRADIENT: 1}
 _KIND_NAMES = {code: kind for kind, code in _KINDS.items()}
@@ -394,3 +395,24 @@ def _signature_key(signature: Signature) -> Any:
         return key
     except TypeError:
         return encode(signature).numpy().tobytes()
+
+
+def inbound(schedule: Schedule, device: int) -> dict[int, int]:
+    """How many messages ``device`` receives from each other device in one step of ``schedule``.
+
+    An F receives its stage's input from the previous stage, a B its output's gradient from
+    the next; the last stage's backward starts from its own loss, never a message.
+    """
+    placement, last = schedule.placement, schedule.stages - 1
+    counts: dict[int, int] = {}
+    for action in schedule.actions[device]:
+        stage = action.stage
+        if action.kind == FORWARD and stage > 0:
+            source = placement[stage - 1]
+        elif action.kind == BACKWARD and stage < last:
+            source = placement[stage + 1]
+        else:
+            continue
+        if source != device:
+            counts[source] = counts.get(source, 0) + 1
+    return counts

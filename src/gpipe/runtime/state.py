@@ -12,6 +12,7 @@ import torch
 from gpipe.analysis import Event
 from gpipe.runtime.context import CallerContext
 from gpipe.runtime.split_backward import WeightGradient
+from gpipe.schedule import Action
 
 __all__ = ["Loss", "Saved", "StepState"]
 
@@ -48,6 +49,11 @@ class StepState:
         loss: the loss to compute on the last stage (train_step), or None.
         split_backward: run weight gradients as separate W actions (zero-bubble).
         track_memory: count the bytes each device holds for backward.
+        microbatch_offset: micro-batches of the whole batch before this step's first (a
+            data-parallel replica runs one part of the batch): random streams are keyed by
+            a micro-batch's place in the whole batch.
+        after: called by a worker with each action it has finished (a data-parallel pipe
+            starts a stage's gradient all-reduce after its last backward).
     """
 
     microbatches: int
@@ -58,6 +64,8 @@ class StepState:
     loss: Loss | None = None
     split_backward: bool = False
     track_memory: bool = True
+    microbatch_offset: int = 0
+    after: Callable[[Action], None] | None = None
     # The caller's thread-local state (autocast, modes, hooks...) for the run under way, and
     # the autocast of the run that did the forwards: a recomputation runs under the latter,
     # as torch.utils.checkpoint does. Captured by Step.run.

@@ -158,12 +158,15 @@ class StageWorker:
             else contextlib.nullcontext()
         )
         context = self.state.context
+        after = self.state.after
         with on_device, context.entered() if context else contextlib.nullcontext():
             for action in actions:
                 if self.state.failed:
                     raise Aborted
                 try:
                     perform.get(action.kind, self.weight)(action)
+                    if after is not None:
+                        after(action)
                 except Exception as exc:
                     exc.gpipe_action = action  # type: ignore[attr-defined]
                     raise
@@ -349,7 +352,7 @@ class StageWorker:
             device=self.device,
             training=module.training,
             step_seed=step.seed,
-            microbatch=mb,
+            microbatch=mb + step.microbatch_offset,
             stage=stage,
         )
 

@@ -8,9 +8,10 @@ from typing import Any
 
 from gpipe.schedule.generate import gpipe, interleaved, one_f_one_b
 from gpipe.schedule.schedule import Schedule
+from gpipe.schedule.validate import validate
 from gpipe.schedule.zero_bubble import zb_h1, zb_h2, zb_v
 
-__all__ = ["SCHEDULES", "make_schedule"]
+__all__ = ["SCHEDULES", "make_schedule", "schedule_for"]
 
 Generator = Callable[..., Schedule]
 
@@ -76,3 +77,50 @@ def make_schedule(
             f"'zb-v' for virtual_stages={virtual_stages}"
         )
     return generator(stages, microbatches, **options)
+
+
+def schedule_for(
+    given: str | Schedule,
+    devices: int,
+    microbatches: int,
+    *,
+    virtual_stages: int = 1,
+    placement: tuple[int, ...] | None = None,
+) -> Schedule:
+    """What a pipe of ``devices`` devices runs for a batch of ``microbatches`` micro-batches.
+
+    A name is built for that count; a :class:`Schedule` is taken as given, and must fit it.
+    Either way it is checked against the pipe (devices, stages, and the ``placement`` the
+    pipe already holds its stages in) and validated, so none can hang a step.
+
+    Raises:
+        ValueError: a schedule that does not fit the pipe or the batch.
+        ScheduleError: a schedule that cannot run (see :func:`validate`).
+    """
+    if isinstance(given, Schedule):
+        if microbatches != given.microbatches:
+            raise ValueError(
+                f"the schedule {given.name!r} was built for {given.microbatches} "
+                f"micro-batches, but this batch splits into {microbatches}: pass a "
+                "batch of at least chunks samples, or a schedule name, which is "
+                "built for any micro-batch count"
+            )
+        schedule = given
+    else:
+        schedule = make_schedule(given, devices, microbatches, virtual_stages=virtual_stages)
+    stages = devices * virtual_stages
+    if schedule.devices != devices or schedule.stages != stages:
+        raise ValueError(
+            f"schedule {schedule.name!r} has {schedule.devices} devices x "
+            f"{schedule.stages} stages, but the pipe has {devices} devices x "
+            f"{stages} stages; give virtual_stages={schedule.virtual_stages} and one "
+            "balance entry per stage"
+        )
+    if placement is not None and schedule.placement != placement:
+        raise ValueError(
+            f"schedule {schedule.name!r} for {microbatches} micro-batches places "
+            f"the stages on devices {schedule.placement}, but the pipe holds them "
+            f"on {placement}"
+        )
+    validate(schedule)
+    return schedule

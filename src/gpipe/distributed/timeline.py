@@ -1,0 +1,89 @@
+"""A distributed step's timeline: every rank's events on rank 0's clock, and its prediction."""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from typing import Any
+
+import torch.distributed as dist
+
+from gpipe.analysis import Costs, Event, Timeline, Transfer, simulate
+from gpipe.distributed.transport import P2PTransport
+from gpipe.runtime.step import Step
+from gpipe.runtime.transport import ACTIVATION
+from gpipe.schedule import BACKWARD, FORWARD, Action, Schedule
+
+__all__ = ["gather_timeline", "predict"]
+
+
+def gather_timeline(
+    step: Step,
+    schedule: Schedule,
+    transport: P2PTransport,
+    device: int,
+    pipeline: list[int],
+    offset_ns: int,
+    group: Any,
+) -> Timeline:
+    """The step on every rank of the pipeline, shifted onto the first rank's clock.
+
+    A collective over ``group``: every rank of the pipeline must call it. ``offset_ns`` is
+    this rank's clock minus the first rank's; ``transfers`` holds each message from its
+    hand-over by the sender to its arrival.
+    """
+
+    def seconds(ns: int) -> float:
+        return (ns - offset_ns) / 1e9
+
+    origin = seconds(step.state.origin_ns)
+    mine = {
+        "events": [
+            (str(e.action), origin + e.start, origin + e.end, e.memory)
+            for e in step.state.events[device]
+        ],
+        "sent": [(tag, peer, seconds(ns)) for tag, peer, ns in transport.sent],
+        "received": [(t.tag, t.source, seconds(t.done_ns), t.nbytes) for t in transport.transfers],
+    }
+    gathered: list[Any] = [None] * len(pipeline)
+    dist.all_gather_object(gathered, mine, group=group)
+    zero = min((e[1] for g in gathered for e in g["events"]), default=origin)
+    events = [
+        [Event(Action.parse(a), start - zero, end - zero, m) for a, start, end, m in g["events"]]
+        for g in gathered
+    ]
+    index = {rank: d for d, rank in enumerate(pipeline)}
+    handed = {
+        (tuple(tag), d, index[peer]): at
+        for d, g in enumerate(gathered)
+        for tag, peer, at in g["sent"]
+    }
+    transfers = []
+    for target, g in enumerate(gathered):
+        for tag, source_rank, arrived, nbytes in g["received"]:
+            source = index[source_rank]
+            start = handed.get((tuple(tag), source, target), arrived)
+            kind = FORWARD if tag[0] == ACTIVATION else BACKWARD
+            transfers.append(
+                Transfer(kind, tag[1], tag[2], source, target, start - zero, arrived - zero, nbytes)
+            )
+    return Timeline(events, "s", schedule.name, transfers=transfers, processes=True)
+
+
+def predict(measured: Timeline, schedule: Schedule, link: tuple[float, float]) -> Timeline:
+    """The simulator's account of ``measured``: its median action times, and each message
+    costing the link's latency plus its bytes over the link's bandwidth."""
+    sizes = [0.0] * schedule.stages  # what each stage receives, median over the step
+    for stage in range(1, schedule.stages):
+        came = [t.nbytes for t in measured.transfers if t.kind == FORWARD and t.stage == stage]
+        sizes[stage] = statistics.median(came) if came else 0.0
+    latency, bandwidth = link
+    costs = dataclasses.replace(
+        Costs.from_timeline(measured, stages=schedule.stages),
+        latency=latency,
+        bandwidth=bandwidth,
+        gradient_bytes=sizes,
+    )
+    predicted = simulate(schedule, costs)
+    predicted.unit, predicted.processes = "s", True
+    return predicted
