@@ -41,7 +41,7 @@ def save(
     pipe: DistributedGPipe,
     path: str | os.PathLike[str],
     *,
-    optimizer: torch.optim.Optimizer | None = None,
+    optimizer: Any = None,
     extra: dict[str, Any] | None = None,
 ) -> None:
     """Save this rank's part of the model (and optimizer state) into one checkpoint folder.
@@ -76,7 +76,7 @@ def load(
     pipe: DistributedGPipe,
     path: str | os.PathLike[str],
     *,
-    optimizer: torch.optim.Optimizer | None = None,
+    optimizer: Any = None,
 ) -> dict[str, Any]:
     """Load a checkpoint saved by :func:`save` under any layout; return its ``extra``.
 
@@ -109,9 +109,7 @@ def load(
         }
     dcp.load(state, checkpoint_id=source)
     if optimizer is not None:
-        set_optimizer_state_dict(
-            view, optimizer, state[_OPTIMIZER], options=StateDictOptions(strict=True)
-        )
+        set_optimizer_state_dict(view, _holding(optimizer), state[_OPTIMIZER], options=_FLAT)
     return _unpack(state[_EXTRA]) if extras else {}
 
 
@@ -140,8 +138,28 @@ def _tensors(view: nn.Module) -> dict[str, torch.Tensor]:
     return {name: tensor.detach() for name, tensor in view.state_dict(keep_vars=True).items()}
 
 
-def _optimizer_state(view: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    return get_optimizer_state_dict(view, optimizer)
+# NOTE: flattened, the state and the group settings (lr, betas...) are keyed by each
+# parameter's name, so they follow the parameter to whichever rank holds it next time; keyed
+# by group index (the default) the ranks' groups would overwrite each other.
+_FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def _optimizer_state(view: nn.Module, optimizer: Any) -> dict[str, Any]:
+    return get_optimizer_state_dict(view, _holding(optimizer), options=_FLAT)
+
+
+def _holding(optimizer: Any) -> torch.optim.Optimizer:
+    """The optimizer that holds this rank's state: a ZeRO optimizer's own shard.
+
+    Each replica saves the state of the parameters its shard owns, under their names, so
+    the checkpoint holds every parameter's state once, and loads into any layout, sharded
+    or not.
+    """
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
+        return optimizer.optim
+    return optimizer
 
 
 def _check_matches(metadata: Any, model: dict[str, torch.Tensor]) -> None:

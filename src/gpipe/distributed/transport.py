@@ -182,12 +182,13 @@ class P2PTransport:
     # -- distributed only --------------------------------------------------------------
 
     def expect(self, counts: dict[int, int]) -> None:
-        """Receive this step's messages: ``counts[rank]`` from each sending rank.
+        """Receive this step's messages: ``counts[device]`` from each sending device.
 
         Each peer's receiver thread starts on them at once, so a message is received as soon
         as it is sent, before the action that needs it asks for it.
         """
-        for rank, count in counts.items():
+        for device, count in counts.items():
+            rank = self._ranks[device]
             if count:
                 if rank not in self._inbound:
                     self._inbound[rank] = _Inbound(self, rank)

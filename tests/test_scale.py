@@ -1,0 +1,213 @@
+"""Scale-out: replicas of the pipeline, tied weights across ranks, clipping, checkpoints."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ranks import check, free_port, launch
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_two_replicas_of_a_two_stage_pipeline_train_as_plain_training_on_the_whole_batch(
+    schedule: str,
+) -> None:
+    results = check(launch("scale_scenarios:replicas", 4, dp=2, schedule=schedule, zero=False))
+    for result in results:
+        worst = result["worst"]
+        assert worst["loss"] < 1e-10 and worst["weight"] < 1e-10 and worst["norm"] < 1e-10, worst
+        assert result["mesh"] == [[0, 1], [2, 3]]  # ("dp", "pp"): pipelines are rows
+
+
+def test_zero_shards_optimizer_state_and_keeps_the_trajectory() -> None:
+    results = check(launch("scale_scenarios:replicas", 4, dp=2, schedule="1f1b", zero=True))
+    for result in results:
+        assert result["zero"] == "ZeroRedundancyOptimizer"
+        worst = result["worst"]
+        assert worst["loss"] < 1e-10 and worst["weight"] < 1e-10, worst
+
+
+def test_microbatch_weights_are_normalized_over_every_replica() -> None:
+    for result in check(launch("scale_scenarios:padded_tokens", 4, dp=2)):
+        assert result["loss"] < 1e-12 and result["grad"] < 1e-12, result
+
+
+@pytest.mark.parametrize(("world", "dp"), [(2, 1), (4, 1), (4, 2)])
+def test_a_tied_embedding_and_head_train_as_plain_training_and_stay_identical(
+    world: int, dp: int
+) -> None:
+    results = check(launch("scale_scenarios:tied", world, dp=dp))
+    copies = {}
+    for result in results:
+        assert result["ties"] == 1
+        assert result["loss"] < 1e-10 and result["weight"] < 1e-10, result
+        copies.update({(n, i): t for i, (n, t) in enumerate(result["copies"].items())})
+    held = list(copies.values())
+    assert len(held) >= 2
+    assert all(torch.equal(held[0], other) for other in held[1:])  # bitwise
+
+
+def _resume(
+    tmp_path: Path,
+    first: tuple[int, list[int], int],
+    then: tuple[int, list[int], int],
+    zero: bool = False,
+) -> None:
+    path = str(tmp_path / "ckpt")
+    whole = check(
+        launch(
+            "scale_scenarios:checkpointed",
+            first[0],
+            path=str(tmp_path / "x"),
+            balance=first[1],
+            dp=first[2],
+            start=0,
+            stop=6,
+            save_at=None,
+        )
+    )
+    check(
+        launch(
+            "scale_scenarios:checkpointed",
+            first[0],
+            path=path,
+            balance=first[1],
+            dp=first[2],
+            start=0,
+            stop=3,
+            save_at=3,
+            zero=zero,
+        )
+    )
+    resumed = check(
+        launch(
+            "scale_scenarios:checkpointed",
+            then[0],
+            path=path,
+            balance=then[1],
+            dp=then[2],
+            start=3,
+            stop=6,
+            save_at=None,
+        )
+    )
+    expected = whole[0]["losses"][3:]
+    for result in resumed:
+        assert result["losses"] == pytest.approx(expected, rel=1e-10, abs=1e-12)
+
+
+def test_resuming_on_half_the_ranks_continues_the_run_that_never_stopped(tmp_path: Path) -> None:
+    _resume(tmp_path, (4, [2, 2, 2, 2], 1), (2, [4, 4], 1))
+
+
+def test_resuming_replicas_as_one_longer_pipeline_continues_the_run(tmp_path: Path) -> None:
+    _resume(tmp_path, (4, [4, 4], 2), (4, [2, 2, 2, 2], 1))
+
+
+def test_a_checkpoint_of_sharded_optimizer_state_resumes_unsharded(tmp_path: Path) -> None:
+    _resume(tmp_path, (4, [4, 4], 2), (4, [2, 2, 2, 2], 1), zero=True)
+
+
+def test_a_save_killed_halfway_leaves_the_previous_checkpoint_loadable(tmp_path: Path) -> None:
+    path = str(tmp_path / "ckpt")
+    outcomes = launch("scale_scenarios:killed_while_saving", 2, timeout=120, path=path)
+    assert outcomes[1].returncode is not None and outcomes[1].returncode < 0  # killed
+    for result in check(launch("scale_scenarios:reads", 2, path=path)):
+        assert result["extra"]["step"] == 1
+
+
+def test_loading_another_models_checkpoint_names_the_keys(tmp_path: Path) -> None:
+    path = str(tmp_path / "ckpt")
+    check(
+        launch(
+            "scale_scenarios:checkpointed",
+            2,
+            path=path,
+            balance=[4, 4],
+            dp=1,
+            start=0,
+            stop=1,
+            save_at=1,
+        )
+    )
+    for result in check(launch("scale_scenarios:mismatched", 2, path=path)):
+        assert "missing from the checkpoint: 8.bias, 8.weight" in result["error"], result
+        assert "shapes differ" not in result["error"]
+
+
+def test_consolidate_writes_one_state_dict_the_plain_model_loads(tmp_path: Path) -> None:
+    import gpipe.distributed as gd
+    from dist_scenarios import mlp
+
+    path = tmp_path / "ckpt"
+    check(
+        launch(
+            "scale_scenarios:checkpointed",
+            2,
+            path=str(path),
+            balance=[4, 4],
+            dp=1,
+            start=0,
+            stop=2,
+            save_at=2,
+        )
+    )
+    gd.consolidate(path, tmp_path / "model.pt")
+    state = torch.load(tmp_path / "model.pt", weights_only=True)
+    model = mlp(4)
+    model.load_state_dict(state)  # every key, every shape
+    assert sorted(state) == sorted(model.state_dict())
+    assert not torch.equal(state["0.weight"], mlp(4)[0].weight.detach())  # trained, not initial
+
+
+@pytest.mark.slow
+def test_two_torchrun_nodes_of_two_processes_train_as_plain_training(tmp_path: Path) -> None:
+    port = free_port()
+    script = Path(__file__).parent / "torchrun_job.py"
+    path = os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])
+    env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1", GPIPE_TEST_DP="2")
+    nodes = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes",
+                "2",
+                "--node-rank",
+                str(node),
+                "--nproc-per-node",
+                "2",
+                "--rdzv-backend",
+                "c10d",
+                "--rdzv-endpoint",
+                f"127.0.0.1:{port}",
+                "--rdzv-id",
+                "gpipe-test",
+                str(script),
+                str(tmp_path),
+            ],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for node in range(2)
+    ]
+    try:
+        errors = [node.communicate(timeout=240)[1] for node in nodes]
+    finally:
+        for node in nodes:
+            node.kill()
+    assert [node.returncode for node in nodes] == [0, 0], errors[0][-2000:] + errors[1][-2000:]
+    for rank in range(4):
+        result = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
+        assert result["world"] == 4
+        assert result["loss"] < 1e-10 and result["weight"] < 1e-10, result
