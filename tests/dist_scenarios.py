@@ -119,7 +119,7 @@ def parity(schedules: list[str], checkpoints: list[str], chunks: list[int], batc
     loss_fn = nn.functional.mse_loss
     ref = _reference(mlp, x, y, loss_fn)
     for schedule in schedules:
-        v = 2 if schedule == "interleaved" else 1
+        v = 2 if schedule in ("interleaved", "zb-v") else 1
         for checkpoint in checkpoints:
             for m in chunks:
                 model = mlp()

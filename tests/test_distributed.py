@@ -63,6 +63,21 @@ def test_four_processes_equal_plain_training_with_fewer_or_uneven_microbatches()
     assert_parity(results)
 
 
+@pytest.mark.parametrize("world", [2, 4])
+def test_the_newest_schedules_equal_plain_training_across_processes(world: int) -> None:
+    results = check(
+        launch(
+            "dist_scenarios:parity",
+            world,
+            schedules=["zb-h2", "zb-v", "auto"],
+            checkpoints=CHECKPOINTS if world == 2 else ["except_last"],
+            chunks=[4] if world == 2 else [8],
+            batch=10,
+        )
+    )
+    assert_parity(results)
+
+
 @pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
 def test_tuples_dicts_values_and_changing_shapes_cross_processes(schedule: str) -> None:
     results = check(launch("dist_scenarios:structures", 2, schedule=schedule))
