@@ -77,9 +77,9 @@ class Step:
                 self._work(self._workers[busy[0]], actions[busy[0]])
             for job in jobs:
                 job.wait()
-        except BaseException as error:  # Ctrl-C while waiting, no thread to start: stop all
+        except BaseException as interrupted:  # Ctrl-C while waiting, no thread to start
             self.state.failed = True
-            self.transport.abort(error)
+            self.transport.abort(interrupted)
             for job in jobs:
                 job.wait()
             raise
