@@ -135,6 +135,7 @@ def test_a_rank_killed_or_interrupted_ends_the_others(how: str) -> None:
     assert max(o.seconds for o in survivors) - outcomes[2].seconds < 10
 
 
+@pytest.mark.slow
 def test_a_hung_rank_ends_the_others_within_the_timeout() -> None:
     began = time.time()
     outcomes = launch(

@@ -107,10 +107,12 @@ def test_resuming_on_half_the_ranks_continues_the_run_that_never_stopped(tmp_pat
     _resume(tmp_path, (4, [2, 2, 2, 2], 1), (2, [4, 4], 1))
 
 
+@pytest.mark.slow
 def test_resuming_replicas_as_one_longer_pipeline_continues_the_run(tmp_path: Path) -> None:
     _resume(tmp_path, (4, [4, 4], 2), (4, [2, 2, 2, 2], 1))
 
 
+@pytest.mark.slow
 def test_a_checkpoint_of_sharded_optimizer_state_resumes_unsharded(tmp_path: Path) -> None:
     _resume(tmp_path, (4, [4, 4], 2), (4, [2, 2, 2, 2], 1), zero=True)
 
