@@ -15,7 +15,7 @@ ROOT = Path(gpipe.__file__).parent
 
 # Layers from the bottom up: a module may import its own layer and the layers below it.
 LAYERS = [
-    ("units", "checkpoint", "schedule"),
+    ("units", "checkpoint", "schedule", "data"),
     ("analysis",),
     ("structure", "microbatch", "partition", "randomness", "batchnorm", "arguments", "loss"),
     ("runtime",),
@@ -23,10 +23,11 @@ LAYERS = [
     ("pipe",),
     ("distributed",),
     ("planning",),
+    ("demo", "report"),
     ("cli",),
 ]
 # Must import without PyTorch: the simulator, timelines and `gpipe --help` start at once.
-TORCH_FREE = ("units", "checkpoint", "schedule", "analysis", "cli")
+TORCH_FREE = ("units", "checkpoint", "schedule", "data", "analysis", "cli")
 
 
 def module_name(path: Path) -> str:

@@ -272,24 +272,9 @@ def test_bubble_defaults_cover_every_schedule_and_agree_with_formulas(
     assert float(fields["max_abs_error"]) < 1e-9
 
 
-def test_demo_trains_and_reports_bubble_beside_formula(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["demo", "--steps", "3", "--batch", "16"]) == 0
-    out = capsys.readouterr().out
-    result = dict(item.split("=") for item in out.strip().splitlines()[-1].split()[1:])
-    assert result["stages"] == "4" and result["microbatches"] == "8"
-    assert float(result["last_loss"]) < float(result["first_loss"])
-    assert float(result["bubble_formula"]) == pytest.approx(3 / 11, abs=1e-4)
-    assert 0 < float(result["bubble"]) < 1
-
-
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["demo", "--stages", "99", "--steps", "1"], "has 11 layers: use --stages <= 11"),
-        (
-            ["demo", "--batch", "3", "--microbatches", "8"],
-            "--batch 3 cannot make 8 micro-batches of at least one sample: use --batch >= 8",
-        ),
         (
             ["plan", "--schedules", "interleaved", "--stages", "1", "--no-progress"],
             "nothing to plan: interleaved on 1 device(s)",
@@ -304,7 +289,6 @@ def test_demo_trains_and_reports_bubble_beside_formula(capsys: pytest.CaptureFix
         (["simulate", "-K", "1000", "-M", "100000"], "use fewer stages or micro-batches"),
         (["bubble", "-M", "4", "10000000"], "use fewer stages or micro-batches"),
         (["simulate", "-K", "2", "-M", "2", "--trace", "/proc/no/t.json"], "cannot write"),
-        (["demo", "--plot", "."], "--plot . is a folder: give a file name"),
     ],
 )
 def test_bad_inputs_found_after_parsing_print_one_error_line_and_exit_2(

@@ -1,131 +1,100 @@
-"""Train a tiny GPT with a 4-stage, 8-micro-batch pipeline on synthetic data and show it."""
+"""Train a character-level GPT on Shakespeare through a 4-stage pipeline, and measure it."""
 
 from __future__ import annotations
 
 import argparse
-import os
-import time
+import importlib.util
+from pathlib import Path
 
-from gpipe.analysis import BUBBLE_FORMULAS, bubble_formula
 from gpipe.checkpoint import CHECKPOINT_MODES
-from gpipe.cli.arguments import CommandError, positive_int, seed
-from gpipe.schedule import SCHEDULES
+from gpipe.cli.arguments import CommandError, positive_int, schedule_names, seed
 
 __all__ = ["add_arguments", "run"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The demo's options; the defaults need nothing but a CPU."""
+    """The demo's options; the defaults need nothing but a CPU and finish in minutes."""
     parser.add_argument(
-        "--stages", type=positive_int, default=4, help="pipeline stages (default 4)"
+        "--stages", type=positive_int, help="pipeline stages (default 4; N with --distributed N)"
     )
     parser.add_argument(
-        "--microbatches", type=positive_int, default=8, help="micro-batches (default 8)"
+        "--chunks",
+        "--microbatches",
+        type=positive_int,
+        default=8,
+        dest="chunks",
+        help="micro-batches per mini-batch (default 8)",
     )
     parser.add_argument(
-        "--steps", type=positive_int, default=30, help="training steps (default 30)"
+        "--schedule", default="gpipe", choices=schedule_names(), help="schedule (default gpipe)"
+    )
+    parser.add_argument(
+        "--checkpoint",
+        default="except_last",
+        choices=CHECKPOINT_MODES,
+        help="which micro-batches recompute their forward in the backward "
+        "(default except_last, as in the GPipe paper)",
+    )
+    parser.add_argument(
+        "--steps", type=positive_int, default=250, help="training steps (default 250)"
     )
     parser.add_argument(
         "--batch",
         type=positive_int,
-        default=64,
-        help="mini-batch size, at least one sample per micro-batch (default 64)",
+        default=32,
+        help="windows of 64 characters per mini-batch, at least one per micro-batch (default 32)",
     )
     parser.add_argument(
-        "--schedule", default="gpipe", choices=sorted(SCHEDULES), help="schedule for train_step"
+        "--out",
+        type=Path,
+        default=Path("demo-out"),
+        help="folder for timeline.png, trace.json, loss.png and report.md (default demo-out)",
     )
-    parser.add_argument("--checkpoint", default="except_last", choices=CHECKPOINT_MODES)
-    parser.add_argument("--plot", metavar="PNG", help="also draw the last step's timeline")
-    parser.add_argument("--seed", type=seed, default=0)
+    parser.add_argument(
+        "--distributed",
+        type=positive_int,
+        metavar="N",
+        help="run the N stages in N processes, started with torch's elastic launcher",
+    )
+    parser.add_argument("--seed", type=seed, default=0, help="random seed (default 0)")
 
 
 def run(args: argparse.Namespace) -> int:
-    """Train, print the loss as it falls, then the last step's timeline and its bubble.
+    """Train, show the progress, then print and write what was measured.
 
     Raises:
-        CommandError: more stages than the model has layers, fewer samples than
-            micro-batches, a schedule that cannot run this pipeline, or a plot that cannot
-            be written.
+        CommandError: settings the demo cannot run (the message names the fix).
     """
-    k, m = args.stages, args.microbatches
-    if args.plot and os.path.isdir(args.plot):
-        raise CommandError(f"--plot {args.plot} is a folder: give a file name, e.g. step.png")
-    if args.batch < m:
-        # NOTE: the pipe would run one micro-batch per sample, fewer than asked for, and
-        # the bubble printed beside the formula for M would not be the run's.
-        raise CommandError(
-            f"--batch {args.batch} cannot make {m} micro-batches of at least one sample: "
-            f"use --batch >= {m} or --microbatches <= {args.batch}"
-        )
-    import torch
-    from tqdm import tqdm
+    stages = args.stages
+    if args.distributed:
+        if stages is not None and stages != args.distributed:
+            raise CommandError(
+                f"--distributed {args.distributed} runs one stage per process, but --stages "
+                f"is {stages}: drop --stages, or use --distributed {stages}"
+            )
+        if importlib.util.find_spec("gpipe.distributed") is None:
+            raise CommandError(
+                "--distributed needs gpipe.distributed, which this installation lacks: run "
+                "without --distributed"
+            )
+        stages = args.distributed
+    from gpipe.demo import DemoSettings, run_demo
 
-    from gpipe.models import GPTConfig, gpt, gpt_loss, synthetic_tokens
-    from gpipe.pipe import GPipe
-
-    torch.manual_seed(args.seed)
-    # NOTE: one intra-op thread per stage worker: the workers are the parallelism, and more
-    # threads than cores would make every stage slower.
-    torch.set_num_threads(1)
-    config = GPTConfig()
-    model = gpt(config)
-    if k > len(model):
-        raise CommandError(f"the tiny GPT has {len(model)} layers: use --stages <= {len(model)}")
+    settings = DemoSettings(
+        stages=stages or 4,
+        chunks=args.chunks,
+        schedule=args.schedule,
+        checkpoint=args.checkpoint,
+        steps=args.steps,
+        batch=args.batch,
+        seed=args.seed,
+        out=args.out,
+        distributed=args.distributed or 0,
+    )
     try:
-        pipe = GPipe(
-            model,
-            devices=["cpu"] * k,
-            chunks=m,
-            checkpoint=args.checkpoint,
-            schedule=args.schedule,
-        )
-    except ValueError as error:  # e.g. a schedule that cannot run K stages and M micro-batches
+        run_demo(settings)
+    except ValueError as error:
         raise CommandError(str(error)) from None
-    optimizer = torch.optim.AdamW(pipe.parameters(), lr=3e-3)
-    data = torch.Generator().manual_seed(args.seed)
-    print(
-        f"tiny GPT, {sum(p.numel() for p in model.parameters()):,} parameters, "
-        f"{len(model)} layers -> balance {pipe.balance} on {k} stages, {m} micro-batches, "
-        f"schedule {args.schedule}, checkpoint {args.checkpoint}"
-    )
-    first = last = float("nan")
-    start = time.perf_counter()
-    with tqdm(range(args.steps), desc="training", unit="step") as bar:
-        for step in bar:
-            ids, targets = synthetic_tokens(args.batch, config, generator=data)
-            optimizer.zero_grad()
-            loss = pipe.train_step(ids, targets, gpt_loss).item()
-            optimizer.step()
-            first = loss if step == 0 else first
-            last = loss
-            bar.set_postfix(loss=f"{loss:.3f}")
-    seconds = time.perf_counter() - start
-    timeline = pipe.timeline
-    print(timeline)
-    formula = bubble_formula(args.schedule, k, m, 1)
-    shown = "none known" if formula is None else f"{formula:.3f}"
-    recorded = "none" if formula is None else f"{formula:.4f}"
-    print(f"loss {first:.3f} -> {last:.3f} in {args.steps} steps ({seconds:.1f} s)")
-    predicted = pipe.predicted_timeline()
-    print(
-        f"bubble: measured {timeline.bubble:.3f}, {args.schedule} formula "
-        f"{BUBBLE_FORMULAS[args.schedule]} = {shown}, "
-        f"simulated with this step's measured stage costs {predicted.bubble:.3f}"
-    )
-    cores = os.cpu_count() or 1
-    if cores < k:
-        print(
-            f"(the {k} stages share {cores} CPU cores here, so stages slow each "
-            "other down; on one device per stage they would not)"
-        )
-    if args.plot:
-        try:
-            drawn = timeline.plot(args.plot, compare=predicted)
-        except OSError as error:
-            raise CommandError(f"cannot write --plot {args.plot}: {error.strerror}") from None
-        print(f"timeline drawn to {drawn}")
-    print(
-        f"RESULT stages={k} microbatches={m} first_loss={first:.4f} last_loss={last:.4f} "
-        f"bubble={timeline.bubble:.4f} bubble_formula={recorded} seconds={seconds:.2f}"
-    )
+    except OSError as error:
+        raise CommandError(f"cannot write to --out {args.out}: {error.strerror}") from None
     return 0

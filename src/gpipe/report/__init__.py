@@ -1,0 +1,1 @@
+"""``gpipe report``: the measured textbook of pipeline parallelism, one section per module."""
