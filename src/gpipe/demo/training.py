@@ -116,13 +116,12 @@ def _train_rank(settings: DemoSettings, balance: list[int]) -> dict[str, Any]:
     )
     losses, seconds, bubbles = _loop(settings, corpus, pipe, lambda: pipe.timeline, show=rank == 0)
     timeline, predicted = pipe.timeline, pipe.predicted_timeline()  # collectives: every rank
-    # Each process holds only its own stages: name their parameters as the whole model does.
-    starts = [sum(balance[:stage]) for stage in range(len(balance))]
-    state = {}
-    for stage, partition in zip(pipe.local_stages, pipe.partitions):
-        for key, value in partition.state_dict().items():
-            layer, _, rest = key.partition(".")
-            state[f"{starts[stage] + int(layer)}.{rest}"] = value.detach().cpu()
+    # Each process holds only its own stages, whose keys read as in the whole model.
+    state = {
+        key: value.detach().cpu()
+        for partition in pipe.partitions
+        for key, value in partition.state_dict().items()
+    }
     pipe.close()
     if rank != 0:
         return {"state": state}
