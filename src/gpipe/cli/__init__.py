@@ -1,4 +1,4 @@
-"""The ``gpipe`` command: ``demo``, ``plan``, ``simulate`` and ``bubble``.
+"""The ``gpipe`` command: ``demo``, ``report``, ``plan``, ``simulate`` and ``bubble``.
 
 Each subcommand is a module of this package exposing ``add_arguments(parser)`` and
 ``run(args) -> int``, with a one-line docstring that is its help. Building the parser
@@ -20,6 +20,7 @@ __all__ = ["build_parser", "main"]
 
 _COMMANDS = {
     "demo": "gpipe.cli.demo",
+    "report": "gpipe.cli.report",
     "plan": "gpipe.cli.plan",
     "simulate": "gpipe.cli.simulate",
     "bubble": "gpipe.cli.bubble",

@@ -15,15 +15,14 @@ from dataclasses import dataclass
 from torch import nn
 
 from gpipe.analysis import Costs, Timeline, simulate
-from gpipe.balance import balance_by_params, profile
+from gpipe.balance import balance_by_params
 from gpipe.demo.settings import Corpus, DemoSettings
 from gpipe.demo.training import virtual_stages
 from gpipe.models import windows
+from gpipe.report.measure import layer_times
 from gpipe.schedule import make_schedule
 
 __all__ = ["Partition", "partition"]
-
-PROFILES = 3
 
 
 @dataclass(frozen=True)
@@ -40,10 +39,7 @@ def partition(settings: DemoSettings, corpus: Corpus, model: nn.Sequential) -> P
     balance = balance_by_params(model, settings.stages * v)
     size = max(1, settings.batch // settings.chunks)
     microbatch, _ = windows(corpus.train, size, corpus.config.context)
-    # NOTE: the least of a few profiles: other processes only ever add time to a layer.
-    profiles = [profile(model, microbatch, repeats=5) for _ in range(PROFILES)]
-    layer_forward = [min(p.forward[i] for p in profiles) for i in range(len(model))]
-    layer_backward = [min(p.backward[i] for p in profiles) for i in range(len(model))]
+    layer_forward, layer_backward = layer_times(model, microbatch)
     bounds = [sum(balance[:stage]) for stage in range(len(balance) + 1)]
     spans = list(itertools.pairwise(bounds))
     forward = [sum(layer_forward[a:b]) for a, b in spans]
