@@ -29,7 +29,7 @@ def run(doc: Document, settings: ReportSettings) -> SectionResult:
     """Measure, simulate and compute the bubble for K in (2, 4, 8) and M in 1..32."""
     counts = (1, 2, 4, 8, 16) if settings.quick else (1, 2, 4, 8, 16, 32)
     forward_ms, backward_ms = (2.0, 4.0) if settings.quick else (4.0, 8.0)
-    steps = 2 if settings.quick else 3
+    steps = 2 if settings.quick else 5
     rows = []
     for k in STAGES:
         for m in counts:

@@ -58,7 +58,7 @@ def run(doc: Document, settings: ReportSettings) -> SectionResult:
         return SectionResult(6, TITLE, "pending: gpipe.distributed is not installed")
     gd = importlib.import_module("gpipe.distributed")
     processes = (2,) if settings.quick else (2, 4)
-    steps = 4 if settings.quick else 10
+    steps = 4 if settings.quick else 20
     rows = []
     for n in processes:
         for kind in ("pp", "dp"):

@@ -94,7 +94,7 @@ def run(doc: Document, settings: ReportSettings) -> SectionResult:
             model, microbatch, STAGES, optimizer="adam", kept_microbatches=MICROBATCHES
         ),
     }
-    steps = 3 if settings.quick else 7
+    steps = 3 if settings.quick else 9
     pipes = {
         name: GPipe(copy.deepcopy(model), balance, devices=["cpu"] * STAGES, chunks=MICROBATCHES)
         for name, balance in balances.items()

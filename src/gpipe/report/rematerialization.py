@@ -40,7 +40,7 @@ as the process's peak resident memory, beside the paper's estimate from a profil
 def run(doc: Document, settings: ReportSettings) -> SectionResult:
     """Measure memory per device and step time for K in 1..8, checkpoint never/always."""
     counts = (1, 2, 4) if settings.quick else (1, 2, 4, 8)
-    steps = 2 if settings.quick else 5
+    steps = 3 if settings.quick else 9
     torch.manual_seed(0)
     model = mlp(BLOCKS, WIDTH)
     x = torch.randn(BATCH, WIDTH)

@@ -32,9 +32,9 @@ Filled markers are measured; lines are simulated."""
 def run(doc: Document, settings: ReportSettings) -> SectionResult:
     """Measure efficiency on sleeping stages, fit the runtime's per-action cost, extrapolate."""
     forward_ms, backward_ms = (2.0, 4.0) if settings.quick else (4.0, 8.0)
-    measured_stages = (2, 4, 8) if settings.quick else (2, 4, 8, 16)
+    measured_stages = (2, 4, 8) if settings.quick else (2, 4, 8, 16, 32)
     measured_counts = (1, 4, 16) if settings.quick else (1, 4, 16, 32)
-    steps = 2 if settings.quick else 3
+    steps = 2 if settings.quick else 5
     measured = {}
     overheads = []
     for k in measured_stages:

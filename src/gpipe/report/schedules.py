@@ -30,7 +30,7 @@ ms, measured by the runtime; the simulator's bubble and memory sit beside them."
 def run(doc: Document, settings: ReportSettings) -> SectionResult:
     """Run the four schedules at K=4, M=8 and stack their measured timelines."""
     ms = 3.0 if settings.quick else 5.0
-    steps = 2 if settings.quick else 3
+    steps = 2 if settings.quick else 5
     rows_per_microbatch = 16
     microbatch_bytes = rows_per_microbatch * WIDTH * 4
     timelines, rows = [], []
