@@ -4,14 +4,14 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-all lint bench clean
+.PHONY: setup demo report docs docs-pictures test test-all lint bench clean
 
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	# NOTE: pin torch first: an unpinned torch pulls a multi-GB CUDA build.
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e '.[dev]'
+	$(BIN)/pip install --quiet -e '.[dev,docs]'
 	touch $(STAMP)
 
 setup: $(STAMP)
@@ -19,9 +19,23 @@ setup: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/gpipe demo
 
+report: $(STAMP)
+	$(BIN)/gpipe report
+
+# The docs site, built offline into site/; any warning fails the build.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
+# Redraw the pictures the docs show, with gpipe itself (about 5 minutes on 2 cores).
+docs-pictures: $(STAMP)
+	$(BIN)/gpipe demo --out docs/demo
+	$(BIN)/gpipe report --out docs/report
+	$(BIN)/python docs/pictures.py
+
 test: $(STAMP)
 	$(BIN)/python -m pytest -m "not slow"
 
+# Everything, the slow tests too; one of them builds the docs with warnings as errors.
 test-all: $(STAMP)
 	$(BIN)/python -m pytest
 
@@ -37,4 +51,4 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/memory.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info src/*.egg-info
+	rm -rf $(VENV) build site *.egg-info src/*.egg-info

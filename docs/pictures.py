@@ -1,6 +1,7 @@
-"""Draw the guide's concept pictures with gpipe itself: simulated timelines, no torch.
+"""Draw the guide's concept pictures with gpipe itself (simulated timelines, no torch),
+then shrink every picture under docs/ to a 64-colour palette, so the repository stays small.
 
-    python docs/pictures.py          # writes docs/images/*.png (run by `make docs-pictures`)
+    python docs/pictures.py          # run last by `make docs-pictures`
 """
 
 from __future__ import annotations
@@ -34,7 +35,20 @@ def main() -> None:
             IMAGES / f"concepts-{name}.png",
             title=f"{name}: {what} (memory in micro-batches held)",
         )
-    print(f"wrote the concept pictures to {IMAGES}")
+    for path in sorted(IMAGES.parent.rglob("*.png")):
+        _shrink(path)
+    print(f"wrote the concept pictures to {IMAGES} and shrank every picture under docs/")
+
+
+def _shrink(path: Path) -> None:
+    """The same picture with at most 64 colours (matplotlib's are few and flat)."""
+    from PIL import Image
+
+    with Image.open(path) as image:
+        if image.mode == "P":
+            return  # shrunk already
+        small = image.convert("RGB").quantize(colors=64, method=Image.Quantize.MEDIANCUT)
+    small.save(path, optimize=True)
 
 
 if __name__ == "__main__":

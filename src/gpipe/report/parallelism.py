@@ -59,22 +59,24 @@ def run(doc: Document, settings: ReportSettings) -> SectionResult:
     gd = importlib.import_module("gpipe.distributed")
     processes = (2,) if settings.quick else (2, 4)
     steps = 4 if settings.quick else 20
-    rows = []
-    for n in processes:
-        for kind in ("pp", "dp"):
-            results = gd.spawn(_rank, n, _Job(kind, steps), threads=1)
-            seconds = max(r["seconds"] for r in results.values())
-            peaks = [r["peak"] for r in results.values()]
-            rows.append(
-                (
-                    n,
-                    kind.upper(),
-                    BATCH / seconds,
-                    seconds,
-                    None if None in peaks else max(peaks),
-                    max(r["parameters"] for r in results.values()),
-                )
-            )
+    launches = 1 if settings.quick else 2
+    best: dict[tuple[int, str], tuple[float, int | None, int]] = {}
+    # NOTE: PP and DP launched in alternation, each kept at its fastest launch: other work
+    # on a shared machine only ever slows a run, and alternating spreads it over both.
+    for _ in range(launches):
+        for n in processes:
+            for kind in ("pp", "dp"):
+                results = gd.spawn(_rank, n, _Job(kind, steps), threads=1)
+                seconds = max(r["seconds"] for r in results.values())
+                peaks = [r["peak"] for r in results.values()]
+                peak = None if None in peaks else max(peaks)
+                parameters = max(r["parameters"] for r in results.values())
+                if (n, kind) not in best or seconds < best[n, kind][0]:
+                    best[n, kind] = (seconds, peak, parameters)
+    rows = [
+        (n, kind.upper(), BATCH / seconds, seconds, peak, parameters)
+        for (n, kind), (seconds, peak, parameters) in best.items()
+    ]
     pipe_class = gd.DistributedGPipe
     has_dp = "dp_size" in inspect.signature(pipe_class).parameters
 
@@ -131,7 +133,8 @@ def run(doc: Document, settings: ReportSettings) -> SectionResult:
         "each device holds only its share of the parameters (see the last column), and "
         "activations cross the links only at stage boundaries. Here every process shares "
         f"the same few cores, so neither gets faster hardware by adding processes. "
-        f"Median of {steps} steps after a warm-up."
+        f"Median of {steps} steps after a warm-up; the faster of {launches} launches "
+        "of each, made in alternation."
     )
     if not has_dp:
         doc.paragraph(
