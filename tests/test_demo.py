@@ -53,6 +53,17 @@ def test_demo_learns_shakespeare_and_writes_every_file(
     assert "balance [2, 1, 1, 3]" in out  # the four blocks alike, cut by parameters
 
 
+@pytest.mark.parametrize("schedule", ["auto", "zb-h1"])
+def test_demo_runs_schedules_without_a_textbook_formula(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, schedule: str
+) -> None:
+    argv = ["demo", "--steps", "2", "--batch", "8", "--schedule", schedule]
+    assert main([*argv, "--out", str(tmp_path)]) == 0
+    result = result_of(capsys.readouterr().out)
+    assert 0 <= float(result["bubble"]) < 1
+    assert (tmp_path / "report.md").exists()
+
+
 @pytest.mark.skipif(
     importlib.util.find_spec("gpipe.distributed") is None,
     reason="gpipe.distributed has not landed on this branch yet",

@@ -144,7 +144,7 @@ def _report(outcome: Outcome) -> Document:
             [
                 "formula",
                 "n/a" if formula is None else f"{formula:.1%}",
-                f"{BUBBLE_FORMULAS[s.schedule]}: equal stages, free hand-offs",
+                f"{BUBBLE_FORMULAS.get(s.schedule, 'none known')}: equal stages, free hand-offs",
             ],
             [
                 "simulated, profiled costs",

@@ -54,8 +54,9 @@ def run_demo(settings: DemoSettings) -> Outcome:
         f"{settings.distributed} processes" if settings.distributed else "threads of this process"
     )
     print(
-        f"Pipeline: {settings.stages} stages ({where}), balance {parts.balance} by "
-        f"parameters, {settings.chunks} micro-batches of {settings.batch // settings.chunks}, "
+        f"Pipeline: {settings.stages} stage{'s' if settings.stages > 1 else ''} ({where}), "
+        f"balance {parts.balance} by parameters, {settings.chunks} micro-batches of "
+        f"{settings.batch // settings.chunks}, "
         f"schedule {settings.schedule}, checkpoint {settings.checkpoint}."
     )
     start_loss = validation_loss(model, corpus)
@@ -114,7 +115,7 @@ def _print(outcome: Outcome) -> None:
             f"median of the last {len(recent)} steps {statistics.median(recent):.1%}",
         ),
         (
-            f"formula {BUBBLE_FORMULAS[s.schedule]}",
+            f"formula {BUBBLE_FORMULAS.get(s.schedule, 'none known')}",
             "n/a" if formula is None else f"{formula:.1%}",
             "equal stages, free hand-offs",
         ),
