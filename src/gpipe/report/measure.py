@@ -1,62 +1,34 @@
-"""Measuring on a shared machine: medians of repeated steps, and a process's peak memory."""
+"""Measuring on a shared machine: layer times robust to load, and a process's peak memory."""
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["PeakMemory", "layer_times", "median_seconds", "peak_rss_during"]
-
-
-def median_seconds(step: Callable[[], object], repeats: int, warmup: int = 1) -> float:
-    """The median wall time of ``step()`` over ``repeats`` runs, after ``warmup`` untimed.
-
-    The median, not the mean: on a machine shared with other work a few runs come out
-    slow for reasons of their own, and the median ignores them.
-    """
-    for _ in range(warmup):
-        step()
-    times = []
-    for _ in range(repeats):
-        began = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - began)
-    return statistics.median(times)
+__all__ = ["PeakMemory", "layer_times", "peak_rss_during"]
 
 
 def peak_rss_during(step: Callable[[], object]) -> int | None:
     """Bytes of resident memory ``step()`` added at its peak, above what the process held.
 
-    Linux only (None elsewhere): memory the C allocator keeps after frees is handed back
-    first (``malloc_trim``), then the kernel's high-water mark (``VmHWM``) is reset to the
-    current size, the step runs, and the new high-water mark less the size before is its
-    peak. This is what the machine must provide for the step, allocator and all.
+    Linux only (None elsewhere); see :class:`PeakMemory`. This is what the machine must
+    provide for the step, allocator and all.
     """
-    if not sys.platform.startswith("linux"):
-        step()
-        return None
-    _trim()
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # resets VmHWM to the current resident size
-    except OSError:
-        step()
-        return None
-    before = _status("VmRSS")
+    memory = PeakMemory()
+    memory.start()
     step()
-    return max(0, _status("VmHWM") - before)
+    return memory.peak()
 
 
 class PeakMemory:
     """The resident memory a stretch of code adds at its peak (Linux; None elsewhere).
 
-    ``start()`` hands freed memory back, resets the high-water mark and notes the size;
-    ``peak()`` is the high-water mark since, less that size.
+    ``start()`` hands memory the C allocator kept after frees back (``malloc_trim``),
+    resets the kernel's high-water mark (``VmHWM``) to the current size and notes that
+    size; ``peak()`` is the high-water mark since, less the size noted.
     """
 
     def __init__(self) -> None:

@@ -22,10 +22,6 @@ class ReportSettings:
     quick: bool = False
     sections: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7)
 
-    def pick(self, quick: object, full: object) -> object:
-        """``quick`` in a quick run, else ``full``."""
-        return quick if self.quick else full
-
 
 @dataclass
 class SectionResult:

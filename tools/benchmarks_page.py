@@ -1,0 +1,133 @@
+"""Run every benchmark in benchmarks/ and write docs/benchmarks.md from what they printed.
+
+    python tools/benchmarks_page.py --run            # every benchmark (20-30 min on 2 cores)
+    python tools/benchmarks_page.py --run latency    # some of them; the others keep their runs
+    python tools/benchmarks_page.py                  # rewrite the page from the saved runs
+
+Each run is saved as ``benchmarks/runs/NAME.txt``: the command, the machine, the time and
+load average at its start and end, and everything it printed. The page shows each one
+verbatim under the command that printed it, so every table in the docs can be reproduced.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCHMARKS = ROOT / "benchmarks"
+RUNS = BENCHMARKS / "runs"
+PAGE = ROOT / "docs" / "benchmarks.md"
+HELPERS = {"torch_reference"}  # imported by the others; prints nothing of its own
+
+INTRO = """\
+# Benchmarks
+
+Every table the scripts in `benchmarks/` print, as they printed it, under the command that
+printed it and the machine it ran on. Each script compares with the ideal and, where
+PyTorch has the schedule, with `torch.distributed.pipelining` in the same run, and ends
+with a `RESULT key=value ...` line. The machine here is a shared 2-core CPU box: wall-clock
+figures move with the load average shown; the ratios within one run are what to read.
+Rebuild this page with `python tools/benchmarks_page.py --run` (see its docstring).
+"""
+
+
+def names() -> list[str]:
+    return sorted(p.stem for p in BENCHMARKS.glob("*.py") if p.stem not in HELPERS)
+
+
+def machine() -> str:
+    import torch
+
+    return (
+        f"{platform.machine()} {platform.system()}, {os.cpu_count()} cores, Python "
+        f"{platform.python_version()}, torch {torch.__version__}"
+    )
+
+
+def load() -> str:
+    return " ".join(f"{x:.1f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "?"
+
+
+def run(name: str) -> None:
+    """Run one benchmark and save what it printed, with where and when."""
+    RUNS.mkdir(exist_ok=True)
+    began = time.time()
+    header = [
+        f"CMD python benchmarks/{name}.py",
+        f"MACHINE {machine()}",
+        f"START {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(began))} load {load()}",
+    ]
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / f"{name}.py")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    footer = [
+        f"EXIT {done.returncode}",
+        f"ELAPSED {time.time() - began:.0f} s",
+        f"END load {load()}",
+    ]
+    text = "\n".join([*header, done.stdout.rstrip(), *footer]) + "\n"
+    if done.returncode:
+        text += "STDERR\n" + "\n".join(done.stderr.strip().splitlines()[-15:]) + "\n"
+    (RUNS / f"{name}.txt").write_text(text)
+
+
+def section(name: str) -> str:
+    """The page's section for one benchmark, from its saved run."""
+    path = RUNS / f"{name}.txt"
+    doc = (BENCHMARKS / f"{name}.py").read_text().split('"""')[1].strip().splitlines()[0]
+    if not path.exists():
+        command = f"python tools/benchmarks_page.py --run {name}"
+        return f"## {name}.py\n\n{doc}\n\nNot run yet: `{command}`.\n"
+    fields: dict[str, str] = {}
+    body: list[str] = []
+    stderr: list[str] = []
+    target = body
+    for line in path.read_text().splitlines():
+        key, _, rest = line.partition(" ")
+        if key in ("CMD", "MACHINE", "START", "EXIT", "ELAPSED", "END") and target is body:
+            fields[key] = rest
+        elif line == "STDERR":
+            target = stderr
+        else:
+            target.append(line)
+    start_load = fields.get("START", "").partition(" load ")[2]
+    parts = [
+        f"## {name}.py",
+        doc,
+        f"`{fields.get('CMD', '')}` — ran {fields.get('START', '').partition(' load ')[0]} on "
+        f"{fields.get('MACHINE', '?')}; load average {start_load} at the start, "
+        f"{fields.get('END', '').removeprefix('load ')} at the end; "
+        f"{fields.get('ELAPSED', '?')}.",
+        "```text\n" + "\n".join(body).strip() + "\n```",
+    ]
+    if fields.get("EXIT", "0") != "0":
+        parts.append(
+            f"**It failed** (exit code {fields['EXIT']}); the end of what it said:\n\n"
+            "```text\n" + "\n".join(stderr).strip() + "\n```"
+        )
+    return "\n\n".join(parts) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--run", nargs="*", metavar="NAME", help="run these (all if none)")
+    args = parser.parse_args()
+    if args.run is not None:
+        for name in args.run or names():
+            print(f"running benchmarks/{name}.py ...", flush=True)
+            run(name)
+    PAGE.write_text(INTRO + "\n" + "\n".join(section(name) for name in names()))
+    print(f"wrote {PAGE}")
+
+
+if __name__ == "__main__":
+    main()
