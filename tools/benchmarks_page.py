@@ -107,7 +107,7 @@ def section(name: str) -> str:
         f"{fields.get('MACHINE', '?')}; load average {start_load} at the start, "
         f"{fields.get('END', '').removeprefix('load ')} at the end; "
         f"{fields.get('ELAPSED', '?')}.",
-        "```text\n" + "\n".join(body).strip() + "\n```",
+        "```text\n" + "\n".join(body).strip("\n") + "\n```",
     ]
     if fields.get("EXIT", "0") != "0":
         parts.append(
