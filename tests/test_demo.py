@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -64,10 +63,6 @@ def test_demo_runs_schedules_without_a_textbook_formula(
     assert (tmp_path / "report.md").exists()
 
 
-@pytest.mark.skipif(
-    importlib.util.find_spec("gpipe.distributed") is None,
-    reason="gpipe.distributed has not landed on this branch yet",
-)
 def test_distributed_demo_writes_the_same_files_from_two_processes(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
-import inspect
 import statistics
 import time
 from dataclasses import dataclass
@@ -31,16 +28,17 @@ gives each device a slice of the *model*: each holds only its layers' state, and
 activations pass from device to device, at the price of the bubble. Here the demo's
 character-level GPT (1.3 M parameters, 7 layers) trains on the same global batch of 32
 windows in 2 (and 4) processes: PP as `DistributedGPipe` (8 micro-batches, GPipe
-schedule, one stage per process), DP as PyTorch's `DistributedDataParallel`, both over
-gloo on this machine's CPU cores. Memory per device is each process's peak resident
-memory above what it held before building the model."""
+schedule, one stage per process), DP as PyTorch's `DistributedDataParallel`, and on 4
+processes PP×DP as two replicas of a 2-stage pipeline (`DistributedGPipe(...,
+dp_size=2)`), all over gloo on this machine's CPU cores. Memory per device is each
+process's peak resident memory above what it held before building the model."""
 
 
 @dataclass(frozen=True)
 class _Job:
     """What every process of one measurement is told."""
 
-    kind: str  # "pp" or "dp"
+    kind: str  # "pp", "dp" or "ppdp" (2 replicas of a pipeline)
     steps: int
     seed: int = 0
 
@@ -49,14 +47,8 @@ def run(doc: Document, settings: ReportSettings) -> SectionResult:
     """Train PP and DP in 2 (and 4) processes; throughput and memory per device."""
     doc.heading(f"6. {TITLE}")
     doc.paragraph(INTRO)
-    if importlib.util.find_spec("gpipe.distributed") is None:
-        doc.paragraph(
-            "**Pending:** this installation has no `gpipe.distributed` (the multi-process "
-            "runtime), so neither PP nor DP ran here. Nothing is shown rather than "
-            "something not measured."
-        )
-        return SectionResult(6, TITLE, "pending: gpipe.distributed is not installed")
-    gd = importlib.import_module("gpipe.distributed")
+    import gpipe.distributed as gd
+
     processes = (2,) if settings.quick else (2, 4)
     steps = 4 if settings.quick else 20
     launches = 1 if settings.quick else 2
@@ -65,7 +57,7 @@ def run(doc: Document, settings: ReportSettings) -> SectionResult:
     # on a shared machine only ever slows a run, and alternating spreads it over both.
     for _ in range(launches):
         for n in processes:
-            for kind in ("pp", "dp"):
+            for kind in ("pp", "dp", "ppdp") if n == 4 else ("pp", "dp"):
                 results = gd.spawn(_rank, n, _Job(kind, steps), threads=1)
                 seconds = max(r["seconds"] for r in results.values())
                 peaks = [r["peak"] for r in results.values()]
@@ -73,16 +65,16 @@ def run(doc: Document, settings: ReportSettings) -> SectionResult:
                 parameters = max(r["parameters"] for r in results.values())
                 if (n, kind) not in best or seconds < best[n, kind][0]:
                     best[n, kind] = (seconds, peak, parameters)
+    names = {"pp": "PP", "dp": "DP", "ppdp": "PP×DP"}
     rows = [
-        (n, kind.upper(), BATCH / seconds, seconds, peak, parameters)
+        (n, names[kind], BATCH / seconds, seconds, peak, parameters)
         for (n, kind), (seconds, peak, parameters) in best.items()
     ]
-    pipe_class = gd.DistributedGPipe
-    has_dp = "dp_size" in inspect.signature(pipe_class).parameters
 
     figure, (ax_speed, ax_memory) = new_figure(10, 3.6, ncols=2)
     labels = [f"{kind}, {n} proc" for n, kind, *_ in rows]
-    colors = [COLORS[0] if kind == "PP" else COLORS[2] for _, kind, *_ in rows]
+    shade = {"PP": COLORS[0], "DP": COLORS[2], "PP×DP": COLORS[1]}
+    colors = [shade[kind] for _, kind, *_ in rows]
     ax_speed.bar(labels, [r[2] for r in rows], color=colors)
     ax_speed.set_title("throughput (samples/s)", loc="left", fontsize=10)
     ax_memory.bar(labels, [(r[4] or 0) / MIB for r in rows], color=colors)
@@ -125,6 +117,13 @@ def run(doc: Document, settings: ReportSettings) -> SectionResult:
             memory = f"; {leaner} needs less memory per device ({pp[4] / MIB:.1f} MiB for PP, "
             memory += f"{dp[4] / MIB:.1f} for DP)"
         verdicts.append(f"on {n} processes {faster} is {ratio:.2f}x faster{memory}")
+        both = [r for r in rows if r[0] == n and r[1] == "PP×DP"]
+        if both:
+            verdicts.append(
+                f"PP×DP (2 replicas of 2 stages) reaches {both[0][2]:.0f} samples/s with "
+                + ("n/a" if both[0][4] is None else f"{both[0][4] / MIB:.1f} MiB")
+                + " per device"
+            )
     doc.paragraph(
         "Measured: "
         + "; ".join(verdicts)
@@ -136,19 +135,12 @@ def run(doc: Document, settings: ReportSettings) -> SectionResult:
         f"Median of {steps} steps after a warm-up; the faster of {launches} launches "
         "of each, made in alternation."
     )
-    if not has_dp:
-        doc.paragraph(
-            "**PP×DP (pending):** pipelines replicated over data-parallel groups need "
-            "`DistributedGPipe(..., dp_size=...)`, which this version does not have yet; it "
-            "will be measured here when it lands."
-        )
     pp2 = next(r for r in rows if r[0] == 2 and r[1] == "PP")
     dp2 = next(r for r in rows if r[0] == 2 and r[1] == "DP")
     return SectionResult(
         6,
         TITLE,
-        f"2 processes: PP {pp2[2]:.0f} samples/s, DP {dp2[2]:.0f} samples/s; "
-        + ("PPxDP pending" if not has_dp else ""),
+        f"2 processes: PP {pp2[2]:.0f} samples/s, DP {dp2[2]:.0f} samples/s",
         [picture],
         {"pp2_samples_s": f"{pp2[2]:.1f}", "dp2_samples_s": f"{dp2[2]:.1f}"},
     )
@@ -158,11 +150,11 @@ def _rank(job: _Job) -> dict[str, Any]:
     """One process: build the model its way, train ``job.steps`` steps, time and measure."""
     from torch.nn.parallel import DistributedDataParallel
 
+    import gpipe.distributed as gd
     from gpipe.balance import balance_by_params
     from gpipe.demo.settings import Corpus, DemoSettings
     from gpipe.models import gpt, gpt_loss
 
-    gd = importlib.import_module("gpipe.distributed")
     rank, world = gd.init()
     torch.set_num_threads(1)
     corpus = Corpus.load(job.seed)
@@ -170,11 +162,12 @@ def _rank(job: _Job) -> dict[str, Any]:
     memory = PeakMemory()
     memory.start()
     torch.manual_seed(job.seed)
-    if job.kind == "pp":
+    if job.kind in ("pp", "ppdp"):
+        dp = 2 if job.kind == "ppdp" else 1
         with torch.device("meta"):
             model = gpt(corpus.config)
-        balance = balance_by_params(model, world)
-        runner: Any = gd.DistributedGPipe(model, balance, chunks=MICROBATCHES)
+        balance = balance_by_params(model, world // dp)
+        runner: Any = gd.DistributedGPipe(model, balance, chunks=MICROBATCHES // dp, dp_size=dp)
 
         def step(ids: torch.Tensor, targets: torch.Tensor) -> None:
             runner.train_step(ids, targets, gpt_loss)
@@ -195,7 +188,7 @@ def _rank(job: _Job) -> dict[str, Any]:
         optimizer.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - began)
     parameters = sum(p.numel() for p in runner.parameters())
-    if job.kind == "pp":
+    if job.kind != "dp":
         runner.close()
     return {
         "seconds": statistics.median(times[1:]),
