@@ -40,7 +40,7 @@ from gpipe.randomness import draw_step_seed
 from gpipe.runtime.caller import PipelineBackward, backward_into_input, to_stage
 from gpipe.runtime.devices import as_devices
 from gpipe.runtime.mailbox import LocalTransport
-from gpipe.runtime.stages import Stages
+from gpipe.runtime.stages import StageSet
 from gpipe.runtime.state import Loss, StepState
 from gpipe.runtime.step import Step
 from gpipe.runtime.transport import ACTIVATION
@@ -192,7 +192,7 @@ class GPipe(nn.Module):
         self.partitions = split_module(module, balance)
         for stage, partition in enumerate(self.partitions):
             partition.to(self.devices[placement[stage]])
-        self._stages = Stages(list(self.partitions), self.devices, placement)
+        self._stages = StageSet(list(self.partitions), self.devices, placement)
         self._transport = LocalTransport(placement, self.devices)
         self._last: Step | None = None
         self._last_schedule: Schedule | None = None

@@ -57,7 +57,7 @@ from gpipe.microbatch import (
 from gpipe.partition import check_balance, split_module
 from gpipe.randomness import draw_step_seed
 from gpipe.runtime.caller import backward_into_input, to_stage
-from gpipe.runtime.stages import Stages
+from gpipe.runtime.stages import StageSet
 from gpipe.runtime.state import Loss, StepState
 from gpipe.runtime.step import Step
 from gpipe.runtime.transport import ACTIVATION
@@ -221,7 +221,7 @@ class DistributedGPipe(nn.Module):
         self._deferred = [
             m for p in self.partitions for m in p.modules() if isinstance(m, DeferredBatchNorm)
         ]
-        self._stages = Stages(held, [self.torch_device] * pp, placement)
+        self._stages = StageSet(held, [self.torch_device] * pp, placement)
 
         self.groups = groups_for(self.layout, self.timeout, self.torch_device.type)
         self.mesh = self.groups.mesh

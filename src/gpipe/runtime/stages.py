@@ -1,4 +1,4 @@
-"""Stages: the stage modules of a pipe, where they live and the threads that run them, which
+"""StageSet: the stage modules of a pipe, where they live and the threads that run them, which
 stay the same across steps."""
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ from torch import nn
 from gpipe.randomness import Streams
 from gpipe.runtime.threads import DeviceThreads
 
-__all__ = ["Stages"]
+__all__ = ["StageSet"]
 
 
 @dataclass
-class Stages:
+class StageSet:
     """What stays the same from step to step: the stage modules, where they live and the
     threads that run them.
 

@@ -8,7 +8,7 @@ from functools import partial
 
 from gpipe.analysis import Timeline
 from gpipe.runtime.context import CallerContext
-from gpipe.runtime.stages import Stages
+from gpipe.runtime.stages import StageSet
 from gpipe.runtime.state import StepState
 from gpipe.runtime.threads import Job
 from gpipe.runtime.transport import Aborted, Transport
@@ -33,7 +33,7 @@ class Step:
         state: the step's settings and shared state.
     """
 
-    def __init__(self, stages: Stages, transport: Transport, state: StepState) -> None:
+    def __init__(self, stages: StageSet, transport: Transport, state: StepState) -> None:
         self.stages = stages
         self.transport = transport
         self.state = state

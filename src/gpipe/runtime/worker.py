@@ -17,7 +17,7 @@ from gpipe.partition import Partition
 from gpipe.randomness import LOSS_KEY
 from gpipe.runtime.saved import SavedBytes, gradient_bytes, storage_keys, tensor_bytes
 from gpipe.runtime.split_backward import backward_input, backward_weight
-from gpipe.runtime.stages import Stages
+from gpipe.runtime.stages import StageSet
 from gpipe.runtime.state import Saved, StepState
 from gpipe.runtime.transport import ACTIVATION, GRADIENT, Aborted, Transport
 from gpipe.schedule import BACKWARD, FORWARD, Action
@@ -138,7 +138,7 @@ class StageWorker:
         state: the step being run.
     """
 
-    def __init__(self, stages: Stages, device: int, transport: Transport, state: StepState) -> None:
+    def __init__(self, stages: StageSet, device: int, transport: Transport, state: StepState) -> None:
         self.stages = stages
         self.device = device
         self.transport = transport
