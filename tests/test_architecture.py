@@ -17,7 +17,16 @@ ROOT = Path(gpipe.__file__).parent
 LAYERS = [
     ("units", "checkpoint", "schedule", "data"),
     ("analysis",),
-    ("structure", "dataflow", "microbatch", "partition", "randomness", "batchnorm", "arguments", "loss"),
+    (
+        "structure",
+        "dataflow",
+        "microbatch",
+        "partition",
+        "randomness",
+        "batchnorm",
+        "arguments",
+        "loss",
+    ),
     ("runtime",),
     ("balance", "models"),
     ("pipe",),

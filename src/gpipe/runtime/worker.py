@@ -138,7 +138,9 @@ class StageWorker:
         state: the step being run.
     """
 
-    def __init__(self, stages: StageSet, device: int, transport: Transport, state: StepState) -> None:
+    def __init__(
+        self, stages: StageSet, device: int, transport: Transport, state: StepState
+    ) -> None:
         self.stages = stages
         self.device = device
         self.transport = transport
