@@ -12,11 +12,20 @@ speedup measured over that.
 
     python benchmarks/compute.py --distributed
     python benchmarks/compute.py --distributed --microbatches 4 8 16 --steps 10
+
+With ``--dp D --pp P`` it compares layouts of the same D*P processes on the transformer
+instead: D replicas of a P-stage pipeline, a pipeline over all D*P processes, and plain
+data parallelism (torch's DistributedDataParallel over D*P ranks), each on the same global
+batch, with the step time and per rank the bytes of model state (weights, gradients and
+AdamW's two moments) and the peak resident memory of the process:
+
+    python benchmarks/compute.py --distributed --dp 2 --pp 2
 """
 
 from __future__ import annotations
 
 import argparse
+import resource
 import statistics
 import time
 
@@ -130,9 +139,101 @@ def theirs(name: str, ms: list[int], schedules: list[str], steps: int) -> dict[s
     return out if rank == 0 else {}
 
 
+def _state_bytes(params: list[nn.Parameter], shards: int = 1) -> int:
+    """Weights and gradients, plus AdamW's two moments (split ``shards`` ways under ZeRO)."""
+    weights = sum(p.numel() * p.element_size() for p in params)
+    return 2 * weights + 2 * weights // shards
+
+
+def layout_step(dp: int, pp: int, m: int, steps: int) -> dict[str, float]:
+    """On every rank: one layout's median step, model-state bytes and peak RSS (rank's own)."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    rank, world = gd.init()
+    model = transformer()
+    x, y = _batch(MODELS["transformer"][1])
+    if pp == 1:  # plain data parallelism: each rank its share of the batch, no pipeline
+        ddp = DistributedDataParallel(model)
+        optimizer = torch.optim.AdamW(ddp.parameters(), lr=1e-4)
+        xs, ys = x.tensor_split(world)[rank], y.tensor_split(world)[rank]
+
+        def step() -> None:
+            F.mse_loss(ddp(xs), ys).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+        params = list(model.parameters())
+    else:
+        pipe = gd.DistributedGPipe(
+            model, [len(model) // pp] * pp, chunks=m, schedule="1f1b", checkpoint="never",
+            dp_size=dp,
+        )  # fmt: skip
+        optimizer = torch.optim.AdamW(pipe.parameters(), lr=1e-4)
+
+        def step() -> None:
+            pipe.train_step(x, y, F.mse_loss)
+            optimizer.step()
+            optimizer.zero_grad()
+
+        params = list(pipe.parameters())
+    times = []
+    for i in range(steps + 1):
+        dist.barrier()
+        began = time.perf_counter()
+        step()
+        if i:
+            times.append(time.perf_counter() - began)
+    if pp > 1:
+        pipe.close()
+    return {
+        "step": statistics.median(times),
+        "state": _state_bytes(params),
+        "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    }
+
+
+def run_layouts(args: argparse.Namespace) -> None:
+    """D x P against a P*D pipeline and DDP over D*P ranks, same global batch."""
+    world = args.dp * args.pp
+    m = args.microbatches[0]
+    layouts = [(args.dp, args.pp), (1, world), (world, 1)]
+    rows = []
+    for dp, pp in layouts:
+        ranks = gd.spawn(layout_step, world, dp, pp, m, args.steps, threads=1)
+        step = statistics.median(r["step"] for r in ranks.values())
+        state = max(r["state"] for r in ranks.values())
+        rss = max(r["rss"] for r in ranks.values())
+        rows.append((dp, pp, step, state, rss))
+    print(
+        f"transformer (4 layers, d=256), global batch 64, {world} processes x 1 thread, "
+        f"M={m} per pipeline, 1f1b, AdamW"
+    )
+    print(f"{'layout':>12} {'step ms':>9} {'state MiB/rank':>15} {'peak RSS MiB/rank':>18}")
+    for dp, pp, step, state, rss in rows:
+        name = "DDP" if pp == 1 else f"dp{dp} x pp{pp}"
+        print(f"{name:>12} {step * 1e3:9.1f} {state / 2**20:15.1f} {rss / 2**20:18.1f}")
+    (_, _, mixed, mixed_state, mixed_rss), (_, _, deep, _, _), (_, _, ddp, ddp_state, _) = rows
+    print(
+        f"RESULT dp={args.dp} pp={args.pp} microbatches={m} "
+        f"dp_pp_ms={mixed * 1e3:.1f} pp{world}_ms={deep * 1e3:.1f} ddp{world}_ms={ddp * 1e3:.1f} "
+        f"dp_pp_over_pp={deep / mixed:.3f} dp_pp_over_ddp={ddp / mixed:.3f} "
+        f"state_mib_dp_pp={mixed_state / 2**20:.1f} state_mib_ddp={ddp_state / 2**20:.1f} "
+        f"rss_mib_dp_pp={mixed_rss / 2**20:.1f}"
+    )
+
+
 def run(args: argparse.Namespace) -> None:
     if not args.distributed:
         raise SystemExit("compute.py measures the distributed runtime: pass --distributed")
+    if args.dp or args.pp:
+        if not (args.dp and args.pp) or args.dp < 1 or args.pp < 2 or 4 % args.pp:
+            raise SystemExit(
+                f"--dp {args.dp} --pp {args.pp}: give both, with --pp 2 or 4 (the transformer "
+                "has 4 layers)"
+            )
+        run_layouts(args)
+        return
     results = []
     for name in args.models:
         base = plain(name, args.microbatches, args.steps)
@@ -181,6 +282,8 @@ def main() -> None:
     parser.add_argument("--microbatches", type=int, nargs="+", default=[8])
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--no-torch", action="store_true", help="skip torch.distributed.pipelining")
+    parser.add_argument("--dp", type=int, default=0, help="replicas (with --pp): layouts mode")
+    parser.add_argument("--pp", type=int, default=0, help="pipeline stages (with --dp)")
     run(parser.parse_args())
 
 

@@ -17,6 +17,7 @@ default B = W = B/2 (10 + 10 ms against the others' 20 ms), so the split matters
 
     python benchmarks/latency.py           # the GPipe grid, then every schedule at K=4, M=16
     python benchmarks/latency.py --quick   # only the schedules, fewer steps, no torch
+    python benchmarks/latency.py --distributed   # one process per stage, gpipe and 1f1b
 """
 
 from __future__ import annotations
@@ -165,7 +166,19 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--no-torch", action="store_true", help="skip torch.distributed.pipelining")
     parser.add_argument("--quick", action="store_true", help="no grid, no torch, 3 steps")
+    parser.add_argument(
+        "--distributed",
+        action="store_true",
+        help="one process per stage (benchmarks/latency_distributed.py): gpipe and 1f1b",
+    )
     args = parser.parse_args()
+    if args.distributed:
+        import latency_distributed
+
+        if args.quick:
+            args.no_torch, args.steps, args.stages, args.microbatches = True, 3, [4], [16]
+        latency_distributed.run(args)
+        return
     if args.quick:
         args.no_torch, args.steps = True, 3
     f, b = args.forward_ms, args.backward_ms

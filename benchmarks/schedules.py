@@ -23,8 +23,10 @@ layers, one process per device.
     python benchmarks/schedules.py --quick         # M=8, 3 steps, no torch
     python benchmarks/schedules.py --plot docs/images/schedules.png   # the stacked timelines
 
-The runtime is local (one thread per device); ``--runtime distributed`` is where the
-multi-process runtime plugs in (a Runner with the same two methods).
+The runtime is local (one thread per device) or, with ``--runtime distributed``, one process
+per device (gloo; each case is launched afresh by ``gd.spawn``):
+
+    python benchmarks/schedules.py --runtime distributed --microbatches 8
 """
 
 from __future__ import annotations
@@ -143,6 +145,52 @@ class LocalRunner:
         )
 
 
+def _distributed_steps(
+    schedule: Schedule, k: int, m: int, layer_ms: float, steps: int
+) -> Measured | None:
+    """On every rank: the same model and steps as LocalRunner, one stage set per process."""
+    import gpipe.distributed as gd
+
+    rank, _ = gd.init()
+    v = schedule.virtual_stages
+    pipe = gd.DistributedGPipe(
+        sleep_stages(2 * k, layer_ms, layer_ms, layer_ms),
+        [2 // v] * (k * v),
+        chunks=m,
+        checkpoint="never",
+        schedule=schedule,
+        virtual_stages=v,
+    )
+    torch.manual_seed(0)
+    x = torch.randn(m, WIDTH, requires_grad=True)
+    target = torch.randn(m, WIDTH)
+    pipe.train_step(x, target, mean_loss)  # warm-up
+    times = []
+    for _ in range(steps):
+        began = time.perf_counter()
+        pipe.train_step(x, target, mean_loss)
+        times.append((time.perf_counter() - began) * 1e3)
+    timeline = pipe.timeline  # every rank takes part in gathering it
+    own = pipe.predicted_timeline().makespan * 1e3
+    pipe.close()
+    if rank != 0:
+        return None
+    return Measured(statistics.median(times), times, timeline, timeline.peak_memory, own)
+
+
+class DistributedRunner:
+    """The multi-process runtime: one process per device (gloo), launched by gd.spawn."""
+
+    name = "distributed"
+
+    def run(self, schedule: Schedule, k: int, m: int, layer_ms: float, steps: int) -> Measured:
+        import gpipe.distributed as gd
+
+        measured = gd.spawn(_distributed_steps, k, schedule, k, m, layer_ms, steps, threads=1)[0]
+        assert measured is not None
+        return measured
+
+
 def predicted_bytes(schedule: Schedule, layers: Profile) -> list[float]:
     """Per device, the peak bytes the planner's memory walk predicts for this schedule."""
     per = 2 // schedule.virtual_stages
@@ -194,11 +242,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="M=8, 3 steps, no torch")
     parser.add_argument("--plot", metavar="PNG", help="save the measured timelines, stacked")
     args = parser.parse_args()
-    if args.runtime == "distributed":
-        parser.error("the distributed runtime is not in this branch yet: use --runtime local")
     if args.quick:
         args.microbatches, args.steps, args.no_torch = [8], 3, True
-    runner: Runner = LocalRunner()
+    runner: Runner = DistributedRunner() if args.runtime == "distributed" else LocalRunner()
     k, layer_ms = args.stages, args.layer_ms
 
     header = (
