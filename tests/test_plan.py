@@ -387,3 +387,39 @@ def test_host_share_follows_the_placement(monkeypatch: pytest.MonkeyPatch) -> No
     assert _host_share(computing, spans, ["cpu"] * 4, v) == pytest.approx(2.0)
     # Round-robin: every device computes half the time, 0.5 * (1 + 0.5) cores each: 3 on 2.
     assert _host_share(computing, spans, ["cpu"] * 4, round_robin) == pytest.approx(1.5)
+
+
+def test_zero_over_replicas_shards_exactly_the_optimizer_state() -> None:
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU())
+    sample = torch.randn(4, 64)
+    kwargs = dict(optimizer="adam", schedules=["1f1b"], chunks=[2], checkpoints=["never"])
+    one = quiet_plan(model, sample, 8, 2, **kwargs).best
+    four = quiet_plan(model, sample, 32, 2, dp=4, zero=True, **kwargs).best
+    assert (four.dp, four.zero, one.dp) == (4, True, 1)
+    # The same per-replica batch (8 samples), so activations match; AdamW's two moments of
+    # each device's weights drop to a quarter.
+    assert (four.stages, four.balance) == (one.stages, one.balance)
+    assert four.activation_memory == one.activation_memory
+    per_device = [
+        sum(p.numel() * 4 for layer in model[a:b] for p in layer.parameters())
+        for a, b in [(0, one.balance[0]), (one.balance[0], len(model))][: one.stages]
+    ]
+    saved = [o - f for o, f in zip(one.peak_memory, four.peak_memory)]
+    assert saved == [2 * w - -(-2 * w // 4) for w in per_device]
+    assert "dp=4 zero" in four.describe()
+
+
+def test_allreduce_bandwidth_adds_the_ring_time_to_the_step() -> None:
+    model = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 256))
+    kwargs = dict(schedules=["gpipe"], chunks=[1], checkpoints=["never"])
+    free = quiet_plan(model, torch.randn(2, 256), 4, 1, dp=2, **kwargs).best
+    slow = quiet_plan(model, torch.randn(2, 256), 4, 1, dp=2, allreduce_bandwidth=1e6, **kwargs)
+    weights = sum(p.numel() * 4 for p in model.parameters())
+    ring = 2 * (2 - 1) / 2 * weights / 1e6  # one device: all of its gradients, over the ring
+    assert slow.best.predicted_step == pytest.approx(free.predicted_step + ring, rel=0.05)
+
+
+@pytest.mark.parametrize(("dp", "message"), [(3, "divide batch_size=8"), (0, "must be >= 1")])
+def test_a_replica_count_that_does_not_split_the_batch_is_refused(dp: int, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        quiet_plan(make_mlp(), torch.randn(2, 8), 8, 2, dp=dp)

@@ -89,6 +89,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="comma-separated checkpoint modes to consider (default: all three)",
     )
+    parser.add_argument(
+        "--dp",
+        type=positive_int,
+        default=1,
+        help="data-parallel replicas of the pipeline: --batch-size is the global batch and "
+        "memory is per device of each replica (default 1)",
+    )
+    parser.add_argument(
+        "--zero",
+        action="store_true",
+        help="with --dp: shard the optimizer state over the replicas (ZeRO-1)",
+    )
     parser.add_argument("--top", type=positive_int, default=5, help="plans to rank (default 5)")
     parser.add_argument("--repeats", type=positive_int, default=5, help="timed runs per layer")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -121,6 +133,8 @@ def run(args: argparse.Namespace) -> int:
             top=args.top,
             progress=not args.no_progress,
             repeats=args.repeats,
+            dp=args.dp,
+            zero=args.zero,
         )
     except (ValueError, TypeError) as error:
         raise CommandError(str(error)) from None
@@ -131,7 +145,7 @@ def run(args: argparse.Namespace) -> int:
         f"virtual_stages={best.virtual_stages} chunks={best.chunks} "
         f"checkpoint={best.checkpoint} balance={','.join(map(str, best.balance))} "
         f"predicted_ms={best.predicted_step * 1e3:.3f} bubble={best.bubble:.4f} "
-        f"peak_memory={max(best.peak_memory)} "
+        f"peak_memory={max(best.peak_memory)} dp={best.dp} zero={int(best.zero)} "
         f"candidates={len(report) + len(report.rejected)}"
     )
     return 0

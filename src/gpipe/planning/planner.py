@@ -21,12 +21,13 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from gpipe.analysis import Costs, activation_peaks, search, simulate
+from gpipe.analysis import Costs, Timeline, activation_peaks, search, simulate
 from gpipe.balance import balance_costs
 from gpipe.balance.profiler import Profile, profile
 from gpipe.checkpoint import check_checkpoint
@@ -63,6 +64,9 @@ def plan(
     progress: bool = True,
     repeats: int = 5,
     action_overhead: float | None = None,
+    dp: int = 1,
+    zero: bool = False,
+    allreduce_bandwidth: float | None = None,
 ) -> PlanReport:
     """Search pipeline configurations and rank those that fit by simulated step time.
 
@@ -85,12 +89,19 @@ def plan(
     in split schedules) frees them, and a recomputation holds one micro-batch's full
     activations while it runs.
 
+    Data parallelism (``dp`` replicas, as ``gd.DistributedGPipe(..., dp_size=dp)``): each
+    replica pipelines ``batch_size / dp`` samples on devices like ``devices``; with
+    ``zero=True`` each holds ``1/dp`` of the optimizer state (ZeRO-1, as ``zero=True``
+    there). Given ``allreduce_bandwidth``, each device's gradients are then all-reduced
+    (a ring: ``2 (dp - 1) / dp`` of their bytes over the link) after its last backward,
+    which the step waits for.
+
     Args:
         module: the model, an ``nn.Sequential``.
         sample: example input of any batch size; micro-batches are cut from it (repeating
             its rows along dim 0 as needed).
         batch_size: samples per mini-batch.
-        devices: the devices available, one per pipeline stage.
+        devices: the devices available, one per pipeline stage (of each replica).
         memory_per_device: the budget per device, in bytes or as text ("200MB", "8GiB");
             None for no budget.
         optimizer: whose state to count ("adam", "sgd", ... or a torch.optim class).
@@ -105,6 +116,10 @@ def plan(
         repeats: timed runs per layer when profiling.
         action_overhead: seconds the runtime adds to every action; None measures it on
             ``devices[0]`` (two one-weight stages, a few steps), 0 leaves it out.
+        dp: data-parallel replicas of the pipeline; ``batch_size`` is the global batch.
+        zero: shard the optimizer state over the replicas (ZeRO-1).
+        allreduce_bandwidth: bytes per second of the replicas' gradient all-reduce; None
+            leaves its time out (memory is counted either way).
 
     Returns:
         The :class:`PlanReport`: ``.best``, the ranked plans, and ``.rejected``.
@@ -112,8 +127,9 @@ def plan(
     Raises:
         TypeError: ``module`` is not an ``nn.Sequential``, or a count is not an int.
         ValueError: ``batch_size < 1``, no devices, an unknown schedule or checkpoint mode,
-            chunk counts outside ``1..batch_size``, ``loss_fn`` without ``target``, or a
-            budget no candidate fits in (the message names the smallest predicted need).
+            chunk counts outside ``1..batch_size``, ``loss_fn`` without ``target``, a
+            ``batch_size`` that ``dp`` does not divide, or a budget no candidate fits in (the
+            message names the smallest predicted need).
     """
     if not isinstance(module, nn.Sequential):
         raise TypeError(
@@ -128,6 +144,20 @@ def plan(
     _check_int("top", top)
     if top < 1:
         raise ValueError(f"top must be >= 1, got {top}")
+    _check_int("dp", dp)
+    if dp < 1 or batch_size % dp:
+        raise ValueError(
+            f"dp={dp} must be >= 1 and divide batch_size={batch_size} (each replica takes "
+            f"batch_size / dp samples); pick a batch size that is a multiple of {max(dp, 1)}"
+        )
+    if not isinstance(zero, bool):
+        raise TypeError(f"zero must be True or False, got {zero!r}")
+    if allreduce_bandwidth is not None and not allreduce_bandwidth > 0:
+        raise ValueError(
+            f"allreduce_bandwidth must be > 0 bytes per second, got {allreduce_bandwidth!r}"
+        )
+    replica = _Replicas(dp, zero, allreduce_bandwidth)
+    batch_size //= dp  # from here on, one replica's batch
     names = [str(device) for device in as_devices(devices)]
     budget = None if memory_per_device is None else _budget(memory_per_device)
     for name in schedules:
@@ -172,7 +202,7 @@ def plan(
         raise ValueError(f"action_overhead must be >= 0 seconds, got {action_overhead!r}")
     overhead = _action_overhead(names[0]) if action_overhead is None else action_overhead
     evaluated = [
-        _evaluate(measure, m, k, name, mode, names[:k], overhead, budget)
+        _evaluate(measure, m, k, name, mode, names[:k], overhead, budget, replica)
         for m, k, name, mode in tqdm(
             candidates, desc="planning", unit="plan", disable=not progress, file=sys.stderr
         )
@@ -303,6 +333,7 @@ def _evaluate(
     devices: list[str],
     overhead: float,
     budget: int | None,
+    replica: _Replicas,
 ) -> Plan:
     v = 2 if name in _TWO_PER_DEVICE else 1
     measured = measure.at(chunks)
@@ -328,11 +359,8 @@ def _evaluate(
     full = [measured.stage_activation_bytes(a, b) for a, b in spans]
     kept = [measured.input_bytes[a] for a, _ in spans]
     stored = [
-        sum(
-            measured.parameter_bytes[a:b]
-            + measured.gradient_bytes[a:b]
-            + measured.optimizer_bytes[a:b]
-        )
+        sum(measured.parameter_bytes[a:b] + measured.gradient_bytes[a:b])
+        + replica.optimizer_share(sum(measured.optimizer_bytes[a:b]))
         for a, b in spans
     ]
     placement = (
@@ -362,8 +390,10 @@ def _evaluate(
     peaks = activation_peaks(schedule, full, kept, mode, gradient=gradient, deferred=deferred)
     activations = [int(peak) for peak in peaks]  # whole bytes in, whole bytes out
     fixed = [0] * stages
+    reduced = [0] * stages
     for s, held in enumerate(stored):
         fixed[schedule.placement[s]] += held
+        reduced[schedule.placement[s]] += sum(measured.gradient_bytes[spans[s][0] : spans[s][1]])
     return Plan(
         stages=stages,
         chunks=chunks,
@@ -372,12 +402,38 @@ def _evaluate(
         virtual_stages=v,
         balance=list(balance),
         devices=devices,
-        predicted_step=timeline.makespan,
+        predicted_step=replica.step(timeline, reduced),
         bubble=timeline.bubble,
         peak_memory=[f + a for f, a in zip(fixed, activations)],
         activation_memory=activations,
         built=schedule if name == "auto" else None,
+        dp=replica.dp,
+        zero=replica.zero,
     )
+
+
+@dataclass(frozen=True)
+class _Replicas:
+    """What data parallelism adds to one replica's pipeline: a share of the optimizer state
+    (ZeRO) and the wait for the gradient all-reduce."""
+
+    dp: int
+    zero: bool
+    bandwidth: float | None
+
+    def optimizer_share(self, nbytes: int) -> int:
+        return -(-nbytes // self.dp) if self.zero else nbytes
+
+    def step(self, timeline: Timeline, gradient_bytes: list[int]) -> float:
+        """The step: each device's last action, then its all-reduce (ring, over the link)."""
+        if self.dp == 1 or self.bandwidth is None:
+            return timeline.makespan
+        ring = 2 * (self.dp - 1) / self.dp / self.bandwidth
+        ends = [
+            (device[-1].end if device else 0.0) + ring * nbytes
+            for device, nbytes in zip(timeline.events, gradient_bytes)
+        ]
+        return max(ends) - timeline.start
 
 
 def _search(

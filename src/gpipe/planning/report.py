@@ -31,6 +31,8 @@ class Plan:
             ``GPipe.timeline.peak_memory`` measures).
         built: the schedule itself where its name alone does not rebuild it ("auto",
             searched under this plan's measured costs and memory budget).
+        dp: data-parallel replicas of this pipeline (memory and devices are per replica).
+        zero: whether the optimizer state is sharded over the replicas (ZeRO-1).
     """
 
     stages: int
@@ -45,6 +47,8 @@ class Plan:
     peak_memory: list[int]
     activation_memory: list[int] = field(default_factory=list)
     built: Any = None
+    dp: int = 1
+    zero: bool = False
 
     def pipe_kwargs(self) -> dict[str, Any]:
         """The keyword arguments of :class:`gpipe.GPipe` that build this plan's pipe."""
@@ -60,7 +64,10 @@ class Plan:
     def describe(self) -> str:
         """A short name: ``1f1b K=4 M=8 checkpoint=never``."""
         v = f" v={self.virtual_stages}" if self.virtual_stages > 1 else ""
-        return f"{self.schedule} K={self.stages}{v} M={self.chunks} checkpoint={self.checkpoint}"
+        dp = f" dp={self.dp}{' zero' if self.zero else ''}" if self.dp > 1 else ""
+        return (
+            f"{self.schedule} K={self.stages}{v} M={self.chunks} checkpoint={self.checkpoint}{dp}"
+        )
 
 
 @dataclass(frozen=True)
