@@ -23,7 +23,17 @@ ROOT = Path(__file__).resolve().parent.parent
 BENCHMARKS = ROOT / "benchmarks"
 RUNS = BENCHMARKS / "runs"
 PAGE = ROOT / "docs" / "benchmarks.md"
-HELPERS = {"torch_reference"}  # imported by the others; prints nothing of its own
+HELPERS = {"torch_reference", "host"}  # imported by the others; print nothing of their own
+# Runs that need arguments, or a second way to run a script: run name -> (script, arguments).
+VARIANTS = {
+    "compute": ("compute", ["--distributed"]),
+    "compute_layouts": ("compute", ["--distributed", "--dp", "2", "--pp", "2"]),
+    "latency_distributed": (
+        "latency_distributed",
+        ["--stages", "2", "4", "--microbatches", "8", "16"],
+    ),
+    "schedules_distributed": ("schedules", ["--runtime", "distributed", "--microbatches", "8"]),
+}
 
 INTRO = """\
 # Benchmarks
@@ -38,7 +48,14 @@ Rebuild this page with `python tools/benchmarks_page.py --run` (see its docstrin
 
 
 def names() -> list[str]:
-    return sorted(p.stem for p in BENCHMARKS.glob("*.py") if p.stem not in HELPERS)
+    scripts = {p.stem for p in BENCHMARKS.glob("*.py") if p.stem not in HELPERS}
+    return sorted(scripts | set(VARIANTS))
+
+
+def command(name: str) -> list[str]:
+    """The script and arguments of run ``name``."""
+    script, arguments = VARIANTS.get(name, (name, []))
+    return [f"benchmarks/{script}.py", *arguments]
 
 
 def machine() -> str:
@@ -59,12 +76,12 @@ def run(name: str) -> None:
     RUNS.mkdir(exist_ok=True)
     began = time.time()
     header = [
-        f"CMD python benchmarks/{name}.py",
+        f"CMD python {' '.join(command(name))}",
         f"MACHINE {machine()}",
         f"START {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(began))} load {load()}",
     ]
     done = subprocess.run(
-        [sys.executable, str(BENCHMARKS / f"{name}.py")],
+        [sys.executable, *command(name)],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -83,10 +100,11 @@ def run(name: str) -> None:
 def section(name: str) -> str:
     """The page's section for one benchmark, from its saved run."""
     path = RUNS / f"{name}.txt"
-    doc = (BENCHMARKS / f"{name}.py").read_text().split('"""')[1].strip().splitlines()[0]
+    script = ROOT / command(name)[0]
+    doc = script.read_text().split('"""')[1].strip().splitlines()[0]
     if not path.exists():
-        command = f"python tools/benchmarks_page.py --run {name}"
-        return f"## {name}.py\n\n{doc}\n\nNot run yet: `{command}`.\n"
+        rerun = f"python tools/benchmarks_page.py --run {name}"
+        return f"## {name}\n\n{doc}\n\nNot run yet: `{rerun}`.\n"
     fields: dict[str, str] = {}
     body: list[str] = []
     stderr: list[str] = []
@@ -101,7 +119,7 @@ def section(name: str) -> str:
             target.append(line)
     start_load = fields.get("START", "").partition(" load ")[2]
     parts = [
-        f"## {name}.py",
+        f"## {' '.join(command(name)).removeprefix('benchmarks/')}",
         doc,
         f"`{fields.get('CMD', '')}` — ran {fields.get('START', '').partition(' load ')[0]} on "
         f"{fields.get('MACHINE', '?')}; load average {start_load} at the start, "
