@@ -25,6 +25,7 @@ if TYPE_CHECKING:
         balance_weighted,
     )
     from gpipe.balance.profiler import Profile, profile
+    from gpipe.dataflow import Stages
     from gpipe.microbatch import gather, scatter
     from gpipe.pipe import GPipe
     from gpipe.planning.planner import plan
@@ -46,6 +47,7 @@ _LAZY = {
     "Plan": "gpipe.planning.report",
     "PlanReport": "gpipe.planning.report",
     "plan": "gpipe.planning.planner",
+    "Stages": "gpipe.dataflow",
 }
 
 __all__ = [
@@ -58,6 +60,7 @@ __all__ = [
     "Profile",
     "Schedule",
     "ScheduleError",
+    "Stages",
     "Timeline",
     "balance_by_memory",
     "balance_by_params",

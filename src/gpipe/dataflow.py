@@ -25,7 +25,14 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["INPUT", "Dataflow", "Stages", "run_in_order"]
+__all__ = [
+    "INPUT",
+    "Dataflow",
+    "Stages",
+    "check_shared_devices",
+    "named_batch_dims",
+    "run_in_order",
+]
 
 INPUT = -1  # the source stage of the pipe's own input values
 
@@ -205,3 +212,156 @@ class Stages(nn.ModuleList):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the stages in order, unpipelined: the reference a pipe must match."""
         return run_in_order(list(self), self.dataflow, self.bind(*args, **kwargs))
+
+    def relayed(self) -> Stages:
+        """The same stages, with every value relayed through the stages in between.
+
+        Stage 0 reads all the pipe's inputs and every other stage only what its predecessor
+        hands it: the values it needs itself and those a later stage needs, passed along by
+        a wrapper around each stage module. The same computation (the same modules and
+        parameters, the same random streams), so the same loss and gradients; only the
+        messages differ. For measuring what sending values directly saves.
+        """
+        flow = self.dataflow
+        count = flow.count
+        later: list[set[tuple[int, str]]] = []  # per cut s | s+1: (source, name) still needed
+        for cut in range(count):
+            later.append(
+                {
+                    (source, name)
+                    for reader in range(cut + 1, count)
+                    for name, source in flow.takes[reader]
+                    if source <= cut
+                }
+            )
+        modules: list[nn.Module] = []
+        for stage, module in enumerate(self):
+            carried = sorted(later[stage]) if stage < count - 1 else None
+            relay = _LayeredRelay if _layered(module) else _Relay
+            modules.append(relay(module, flow.inputs, flow.takes[stage], stage, carried))
+        first = tuple((name, INPUT) for name in flow.inputs)
+        takes = (first, *(((_RELAY, stage - 1),) for stage in range(1, count)))
+        return Stages(modules, Dataflow(flow.inputs, takes), self.balance, self.devices)
+
+
+_RELAY = "relayed"
+
+
+def _layered(module: nn.Module) -> bool:
+    """Whether ``module`` runs each layer on a random stream of its own (a Partition)."""
+    return hasattr(module, "positions") and hasattr(module, "layer_scope")
+
+
+class _Relay(nn.Module):
+    """One stage of :meth:`Stages.relayed`: runs its stage module on the values it takes,
+    and hands the next stage, in one dict, everything a later stage still needs."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        inputs: tuple[str, ...],
+        takes: tuple[tuple[str, int], ...],
+        stage: int,
+        carried: list[tuple[int, str]] | None,
+    ) -> None:
+        super().__init__()
+        self.module = module
+        self._inputs = inputs
+        self._takes = takes
+        self._stage = stage
+        self._carried = carried  # None: the last stage, which returns the model's output
+
+    def forward(self, values: dict[str, Any]) -> Any:
+        if self._stage == 0:
+            made = {f"{INPUT}.{name}": values[name] for name in self._inputs}
+        else:
+            made = dict(values[_RELAY])
+        output = self.module({name: made[f"{source}.{name}"] for name, source in self._takes})
+        if self._carried is None:
+            return output
+        if isinstance(output, Mapping):
+            made.update({f"{self._stage}.{name}": value for name, value in output.items()})
+        relayed = {}
+        for source, name in self._carried:
+            key = f"{source}.{name}"
+            if key not in made:
+                raise ValueError(
+                    f"stage {source} returned no {name!r}, which a later stage reads: a stage "
+                    "of a dataflow returns a dict holding every name it gives"
+                )
+            relayed[key] = made[key]
+        return {_RELAY: relayed}
+
+
+class _LayeredRelay(_Relay):
+    """A relay around a stage module with a random stream per layer, which it passes on."""
+
+    @property
+    def positions(self) -> list[int]:
+        return list(self.module.positions)  # type: ignore[arg-type]
+
+    @property
+    def layer_scope(self) -> Any:
+        return self.module.layer_scope
+
+    @layer_scope.setter
+    def layer_scope(self, scope: Any) -> None:
+        self.module.layer_scope = scope
+
+
+def named_batch_dims(dims: Any, names: Sequence[str]) -> Any:
+    """A pipe's ``input_batch_dims`` for named inputs, as a dict with one entry per name.
+
+    An int or None applies to every input; a dict gives some names theirs (the others are
+    batched on dim 0); a tuple or list gives the positional inputs theirs, in order.
+
+    Raises:
+        ValueError: a name that is not an input, or more entries than inputs.
+    """
+    if dims is None or isinstance(dims, int):
+        return dims
+    if isinstance(dims, Mapping):
+        unknown = [name for name in dims if name not in names]
+        if unknown:
+            raise ValueError(
+                f"input_batch_dims names {unknown}, which are not among the inputs {tuple(names)}"
+            )
+        return {name: dims.get(name, 0) for name in names}
+    if isinstance(dims, (tuple, list)):
+        if len(dims) > len(names):
+            raise ValueError(
+                f"input_batch_dims={dims!r} has {len(dims)} entries for the inputs "
+                f"{tuple(names)}: give one per input, or a dict {{name: dim}}"
+            )
+        given = dict(zip(names, dims))
+        return {name: given.get(name, 0) for name in names}
+    return dims
+
+
+def check_shared_devices(modules: Sequence[nn.Module], devices: Sequence[torch.device]) -> None:
+    """Refuse a tensor that stage modules on different devices would share.
+
+    A Parameter used by two stages (an embedding tied to the head) is one tensor: stages on
+    one device simply share it (both backwards accumulate into one ``.grad``), but it cannot
+    live on two devices at once.
+
+    Raises:
+        ValueError: two stages on different devices hold the same tensor; the message names
+            the tensor, the stages and the fix.
+    """
+    first: dict[int, tuple[int, str]] = {}
+    for stage, (module, device) in enumerate(zip(modules, devices)):
+        named = [
+            *module.named_parameters(remove_duplicate=False),
+            *module.named_buffers(remove_duplicate=False),
+        ]
+        for name, tensor in named:
+            held, held_as = first.setdefault(id(tensor), (stage, name))
+            other = devices[held]
+            if other != device and not (other.type == device.type == "cpu"):
+                raise ValueError(
+                    f"stage {held}'s {held_as!r} is stage {stage}'s {name!r} (one tensor, tied), "
+                    f"which can live on only one device, but stage {held} runs on {other} and "
+                    f"stage {stage} on {device}: give those stages the same device, or untie "
+                    "them (the distributed pipe keeps a copy per rank and sums their gradients)"
+                )

@@ -1,4 +1,5 @@
-"""GPipe: the user-facing module that runs an nn.Sequential as a pipeline."""
+"""GPipe: the user-facing module that runs an nn.Sequential (or :class:`~gpipe.Stages`) as a
+pipeline."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from gpipe.batchnorm import (
     refuse_reused_batch_norm,
 )
 from gpipe.checkpoint import check_checkpoint
+from gpipe.dataflow import Stages, check_shared_devices, named_batch_dims
 from gpipe.loss import check_loss_arguments, microbatch_weights, normalized, weighted_total
 from gpipe.microbatch import (
     BatchDims,
@@ -37,13 +39,13 @@ from gpipe.microbatch import (
 )
 from gpipe.partition import check_balance, check_shared_placement, split_module
 from gpipe.randomness import draw_step_seed
-from gpipe.runtime.caller import PipelineBackward, backward_into_input, to_stage
+from gpipe.runtime.caller import PipelineBackward, backward_into_input, collect_outputs, feed
 from gpipe.runtime.devices import as_devices
 from gpipe.runtime.mailbox import LocalTransport
+from gpipe.runtime.routes import Routes
 from gpipe.runtime.stages import StageSet
 from gpipe.runtime.state import Loss, StepState
 from gpipe.runtime.step import Step
-from gpipe.runtime.transport import ACTIVATION
 from gpipe.schedule import BACKWARD, FORWARD, Schedule, make_schedule, schedule_for
 from gpipe.structure import leaves, map_tensors
 
@@ -72,7 +74,8 @@ class _TooFewDevices(ValueError, IndexError):
 
 
 class GPipe(nn.Module):
-    """Run an ``nn.Sequential`` as a pipeline of stages over micro-batches (GPipe).
+    """Run an ``nn.Sequential`` (or :class:`~gpipe.Stages`) as a pipeline of stages over
+    micro-batches (GPipe).
 
     The module is cut into consecutive stages, one per device. Each mini-batch is split into
     ``chunks`` micro-batches that flow through the stages concurrently (one worker thread per
@@ -80,8 +83,15 @@ class GPipe(nn.Module):
     all micro-batches accumulate in the user's own parameters, so a step equals training on
     the whole mini-batch.
 
+    A model that is not a chain comes as :class:`~gpipe.Stages` (from :func:`gpipe.split`,
+    or built by hand): one module per stage and a :class:`~gpipe.dataflow.Dataflow` saying
+    which named values each stage reads from where. Its stages are the pipe's (its
+    ``balance`` and ``devices`` too); each value goes directly from the stage that makes it
+    to every stage that reads it, and ``pipe(*args, **kwargs)`` takes the model's inputs.
+
     Args:
-        module: the model, an ``nn.Sequential``; its layers are moved to their devices.
+        module: the model, an ``nn.Sequential``, or :class:`~gpipe.Stages`; its layers are
+            moved to their devices.
         balance: layers per stage (``[3, 2, 3]``); or how to find it: "params" (also
             None) evens out parameter counts, "time" measured forward + backward time,
             "memory" the memory each stage holds under the schedule (both need ``sample``).
@@ -115,16 +125,17 @@ class GPipe(nn.Module):
             once. An LSTM's ``(out, (h, c))`` is ``(0, 1)``. Default 0.
 
     Raises:
-        TypeError: ``module`` is not an ``nn.Sequential``, ``balance`` is not a list or a
-            name, a device is not a device, name or index, or a flag is not a bool.
+        TypeError: ``module`` is not an ``nn.Sequential`` or ``Stages``, ``balance`` is not
+            a list or a name, a device is not a device, name or index, or a flag is not a
+            bool.
         ValueError: an inconsistent balance, devices, chunks, checkpoint or schedule, a
-            device this machine does not have (or "meta"), or a layer whose parameters two
-            devices would share.
+            device this machine does not have (or "meta"), a layer whose parameters two
+            devices would share, or a ``balance`` that differs from the ``Stages``'.
     """
 
     def __init__(
         self,
-        module: nn.Sequential,
+        module: nn.Sequential | Stages,
         balance: Sequence[int] | str | None = None,
         *,
         devices: Sequence[Device] | None = None,
@@ -140,9 +151,10 @@ class GPipe(nn.Module):
         output_batch_dims: BatchDims = 0,
     ) -> None:
         super().__init__()
-        check_model(module, "GPipe")
         check_virtual(virtual_stages)
         check_balance_type(balance)
+        if not isinstance(module, Stages):
+            check_model(module, "GPipe")
         check_flag("track_memory", track_memory)
         check_flag("deferred_batch_norm", deferred_batch_norm)
         # NOTE: str() as torchgpipe does, so a str-like mode object works; then validated.
@@ -155,6 +167,12 @@ class GPipe(nn.Module):
         self.track_memory = track_memory
         self._schedules: dict[int, Schedule] = {}
         self._fill_drain: dict[int, tuple[Schedule, Schedule, Schedule]] = {}
+        self._last: Step | None = None
+        self._last_schedule: Schedule | None = None
+        self._flow: Stages | None = None
+        if isinstance(module, Stages):
+            self._init_stages(module, balance, devices, deferred_batch_norm)
+            return
 
         if len(module) == 0 and (balance is None or _empty_list(balance)):
             balance, devices = [], []  # torchgpipe's empty pipe: the identity, no stage
@@ -194,8 +212,54 @@ class GPipe(nn.Module):
             partition.to(self.devices[placement[stage]])
         self._stages = StageSet(list(self.partitions), self.devices, placement)
         self._transport = LocalTransport(placement, self.devices)
-        self._last: Step | None = None
-        self._last_schedule: Schedule | None = None
+
+    def _init_stages(
+        self,
+        stages: Stages,
+        balance: Any,
+        devices: Sequence[Device] | None,
+        deferred_batch_norm: bool,
+    ) -> None:
+        """The pipe over ``stages``: their balance, devices (unless given) and dataflow."""
+        count, v = len(stages), self.virtual_stages
+        if count == 0:
+            raise ValueError("the Stages hold no stage: split the model into at least one")
+        if balance is not None and (isinstance(balance, str) or list(balance) != stages.balance):
+            raise ValueError(
+                f"balance={balance!r} conflicts with the Stages' own balance {stages.balance}: "
+                "the stages are already cut; leave balance out (choose the cuts when "
+                "splitting, e.g. gpipe.split(..., balance=...))"
+            )
+        if count % v:
+            raise ValueError(
+                f"{count} stages cannot be spread over devices with virtual_stages={v}: "
+                f"the stage count must be a multiple of {v}"
+            )
+        if devices is None:
+            devices = stages.devices if stages.devices is not None else ["cpu"] * (count // v)
+        self.devices = as_devices(devices)[: count // v]  # extras unused
+        if len(self.devices) * v != count:
+            raise _TooFewDevices(
+                f"the Stages hold {count} stages but devices lists {len(self.devices)} devices "
+                f"(x {v} virtual stages = {len(self.devices) * v}): give one device per "
+                f"{v} stage(s)"
+            )
+        self.balance = list(stages.balance)
+        placement = self._schedule_for(self.chunks).placement
+        check_shared_devices(list(stages), [self.devices[d] for d in placement])
+        if deferred_batch_norm:
+            refuse_reused_batch_norm(stages)
+            convert_deferred_batch_norm(stages)
+        self._deferred = [m for m in stages.modules() if isinstance(m, DeferredBatchNorm)]
+        self._flow = stages
+        self.partitions = stages
+        for stage, module in enumerate(stages):
+            module.to(self.devices[placement[stage]])
+        routes = Routes(stages.dataflow)
+        self._stages = StageSet(
+            list(stages), self.devices, placement, routes=routes, balance=stages.balance
+        )
+        self._transport = LocalTransport(placement, self.devices, routes)
 
     @classmethod
     def from_plan(cls, module: nn.Sequential, plan: Any) -> GPipe:
@@ -247,9 +311,14 @@ class GPipe(nn.Module):
     # -- nn.Sequential-like access to the user's layers --------------------------------
 
     def __len__(self) -> int:
+        if self._flow is not None:  # Stages: no flat list of layers, the stage modules
+            return len(self._flow)
         return sum(len(p) for p in self._partition_list)
 
     def __iter__(self) -> Iterator[nn.Module]:
+        if self._flow is not None:
+            yield from self._flow
+            return
         for partition in self._partition_list:
             yield from partition
 
@@ -295,7 +364,7 @@ class GPipe(nn.Module):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
-        self._transport = LocalTransport(self._stages.placement, self.devices)
+        self._transport = LocalTransport(self._stages.placement, self.devices, self._stages.routes)
 
     # -- running -----------------------------------------------------------------------
 
@@ -304,7 +373,9 @@ class GPipe(nn.Module):
         """What the last step did: per device, each action's start and end (seconds)."""
         if self._last is None or self._last_schedule is None:
             raise RuntimeError("no step has run yet: call pipe(x) or pipe.train_step(...) first")
-        return self._last.timeline(self._last_schedule.name)
+        timeline = self._last.timeline(self._last_schedule.name)
+        timeline.transfers = self._transport.transfers(self._last.state.origin_ns)
+        return timeline
 
     def predicted_timeline(self, transfer: float = 0.0) -> Timeline:
         """The simulator's timeline of the last step's schedule, fed its measured costs.
@@ -340,13 +411,16 @@ class GPipe(nn.Module):
         ]
         return Timeline(events, "s", predicted.schedule)
 
-    def forward(self, input: Any) -> Any:
-        """Run ``input`` through the pipeline; the output lands on the last device.
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the input through the pipeline; the output lands on the last device.
 
-        Under autograd (grad enabled) the returned output is connected to a pipelined
-        backward: ``loss.backward()`` runs each stage's backward on its own worker. The
-        micro-batch outputs are concatenated along ``output_batch_dims``.
+        ``pipe(x)`` for an ``nn.Sequential``; ``pipe(*args, **kwargs)`` as the model is
+        called for :class:`~gpipe.Stages` (named by ``Stages.bind``). Under autograd (grad
+        enabled) the returned output is connected to a pipelined backward:
+        ``loss.backward()`` runs each stage's backward on its own worker. The micro-batch
+        outputs are concatenated along ``output_batch_dims``.
         """
+        input = self._bind(args, kwargs)
         if not self.partitions:
             return _identity(input)
         microbatches, sizes = self._scatter(input)
@@ -363,11 +437,9 @@ class GPipe(nn.Module):
             self._fill_drain[m] = (whole, whole.only([FORWARD]), whole.only([BACKWARD]))
         schedule, forwards, backwards = self._fill_drain[m]
         step = self._new_step(m, grad=grad, schedule=schedule)
-        for i, mb in enumerate(microbatches):
-            step.transport.send((ACTIVATION, 0, i), to_stage(mb))
+        feed(step, microbatches)
         self._run_committing(step, forwards)
-        last = len(self.partitions)
-        outputs = [step.transport.collect((ACTIVATION, last, i)) for i in range(len(microbatches))]
+        outputs = collect_outputs(step, m)
         if grad:
             outputs = PipelineBackward.connect(step, backwards, microbatches, outputs)
         return gather(outputs, self.output_batch_dims, sizes=sizes)
@@ -381,6 +453,7 @@ class GPipe(nn.Module):
         reduction: str = "mean",
         microbatch_weight: Callable[[Any], Any] | None = None,
         target_batch_dims: BatchDims = 0,
+        kwargs: dict[str, Any] | None = None,
     ) -> torch.Tensor:
         """One pipelined forward and backward with the loss computed on the last stage.
 
@@ -388,7 +461,9 @@ class GPipe(nn.Module):
         ``zero_grad()`` yourself). Runs the pipe's ``schedule``.
 
         Args:
-            input: the mini-batch (tensor, tuple/list or dict of tensors).
+            input: the mini-batch (tensor, tuple/list or dict of tensors). For
+                :class:`~gpipe.Stages`: the first positional input, or a tuple of the
+                positional inputs.
             target: the targets, split into micro-batches like ``input``.
             loss_fn: ``loss_fn(output, target) -> scalar`` for one micro-batch.
             reduction: how ``loss_fn`` reduces over samples. "mean": each micro-batch loss is
@@ -402,6 +477,7 @@ class GPipe(nn.Module):
                 it, normalized by its sum over the batch; a micro-batch of weight 0 adds
                 nothing (not even the nan of a mean over no tokens).
             target_batch_dims: where ``target`` is batched (see ``input_batch_dims``).
+            kwargs: for :class:`~gpipe.Stages`, the keyword inputs (an attention mask...).
 
         Returns:
             The loss of the whole mini-batch (detached), on the last device.
@@ -416,6 +492,8 @@ class GPipe(nn.Module):
         if not torch.is_grad_enabled():
             raise RuntimeError("train_step needs autograd: call it outside torch.no_grad()")
         check_batch_dims(target_batch_dims, "target_batch_dims")
+        positional = input if self._flow is not None and isinstance(input, tuple) else (input,)
+        input = self._bind(positional, kwargs or {}, keywords=kwargs is not None)
         if not self.partitions:  # the empty pipe: the loss of the input itself
             value = loss_fn(input, target)
             value.backward()
@@ -437,8 +515,7 @@ class GPipe(nn.Module):
         loss = Loss(loss_fn, [_on(t, last_device) for t in targets], weights)
         schedule = self._schedule_for(len(microbatches))
         step = self._new_step(len(microbatches), grad=True, loss=loss, schedule=schedule)
-        for i, mb in enumerate(microbatches):
-            step.transport.send((ACTIVATION, 0, i), to_stage(mb))
+        feed(step, microbatches)
         self._run_committing(step, schedule)
         backward_into_input(step, microbatches)
         return weighted_total(weights, step.state.losses)
@@ -465,11 +542,37 @@ class GPipe(nn.Module):
             )
         return self._schedules[microbatches]
 
+    def _bind(self, args: tuple[Any, ...], kwargs: dict[str, Any], keywords: bool = True) -> Any:
+        """The input of a call: the one input of a Sequential, the named inputs of Stages.
+
+        Raises:
+            TypeError: not one input for a Sequential, or inputs the Stages do not take.
+        """
+        if self._flow is not None:
+            return self._flow.bind(*args, **kwargs)
+        if keywords and kwargs:
+            if args or list(kwargs) != ["input"]:
+                raise TypeError(
+                    f"a pipe over an nn.Sequential takes one input, got keyword inputs "
+                    f"{sorted(kwargs)}: pass one tensor (or tuple/dict of them), or split the "
+                    "model into gpipe.Stages, which take named inputs"
+                )
+            return kwargs["input"]
+        if len(args) != 1:
+            raise TypeError(
+                f"a pipe over an nn.Sequential takes one input, got {len(args)}: pass a tuple "
+                "of tensors as one input, or split the model into gpipe.Stages"
+            )
+        return args[0]
+
     def _scatter(self, input: Any) -> tuple[list[Any], list[int]]:
         """The micro-batches of ``input``, and how many samples each holds."""
         self._check_placement()
-        microbatches = scatter(input, self.chunks, self.input_batch_dims)
-        sizes = microbatch_sizes(batch_size(input, self.input_batch_dims), self.chunks)
+        dims = self.input_batch_dims
+        if self._flow is not None:
+            dims = named_batch_dims(dims, self._flow.dataflow.inputs)
+        microbatches = scatter(input, self.chunks, dims)
+        sizes = microbatch_sizes(batch_size(input, dims), self.chunks)
         return microbatches, sizes
 
     def _new_step(

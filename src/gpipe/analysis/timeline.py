@@ -54,7 +54,9 @@ class Transfer:
     the receiving stage's forward) or a gradient coming back (``kind`` "B").
 
     ``start`` is when the sender handed it over, ``end`` when it had arrived, on the
-    timeline's clock; ``stage`` is the receiving stage.
+    timeline's clock; ``stage`` is the receiving stage, ``source`` and ``target`` devices.
+    ``sender`` is the sending stage where it is known: a model that is not a chain sends
+    values past the stages in between (a skip), so it need not be a neighbour.
     """
 
     kind: str
@@ -65,6 +67,7 @@ class Transfer:
     start: float
     end: float
     nbytes: int = 0
+    sender: int | None = None
 
 
 @dataclass

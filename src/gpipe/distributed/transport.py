@@ -37,7 +37,10 @@ __all__ = ["P2PTransport", "Transfer", "inbound"]
 
 _KINDS = {ACTIVATION: 0, GRADIENT: 1}
 _KIND_NAMES = {code: kind for kind, code in _KINDS.items()}
-_HEADER = 6  # step, signature number, signature bytes (0 if known), kind, stage, micro-batch
+# step, signature number, signature bytes (0 if known), kind, stage, micro-batch, and the
+# sending stage of a dataflow's tag (see gpipe.runtime.routes), or _CHAIN for a chain's
+_HEADER = 7
+_CHAIN = -(2**62)
 
 
 @dataclass(frozen=True)
@@ -234,8 +237,8 @@ class P2PTransport:
         return self._device  # the caller's side: inputs and outputs stay on this rank
 
     def _sender_of(self, tag: Tag) -> int:
-        kind, stage, _ = tag
-        source = stage - 1 if kind == ACTIVATION else stage + 1
+        neighbour = tag[1] - 1 if tag[0] == ACTIVATION else tag[1] + 1
+        source = tag[3] if len(tag) == 4 else neighbour
         return self._ranks[self._device_of(source)]
 
     def _send_remote(self, peer: int, tag: Tag, value: Any) -> None:
@@ -247,10 +250,10 @@ class P2PTransport:
         if number is None:
             number = outbound.numbers[key] = len(outbound.numbers)
             encoded = encode(signature)
-        kind, stage, microbatch = tag
+        sender = tag[3] if len(tag) == 4 else _CHAIN
         size = 0 if encoded is None else encoded.numel()
         header = torch.tensor(
-            [self._step, number, size, _KINDS[kind], stage, microbatch], dtype=torch.int64
+            [self._step, number, size, _KINDS[tag[0]], tag[1], tag[2], sender], dtype=torch.int64
         )
         try:
             works = [dist.isend(header, peer, group=self._control)]
@@ -299,7 +302,7 @@ class _Inbound:
         transport = self.transport
         header = torch.empty(_HEADER, dtype=torch.int64)
         _wait(dist.irecv(header, self.peer, group=transport._control))
-        sent_step, number, size, kind, stage, microbatch = header.tolist()
+        sent_step, number, size, kind, stage, microbatch, sender = header.tolist()
         if sent_step != step:
             raise RuntimeError(
                 f"rank {self.peer} sent a message of step {sent_step} during step {step}: "
@@ -315,7 +318,9 @@ class _Inbound:
         for work in [dist.irecv(b, self.peer, group=transport._group) for b in buffers]:
             _wait(work)
         done = time.perf_counter_ns()
-        tag = (_KIND_NAMES[kind], stage, microbatch)
+        tag: Tag = (_KIND_NAMES[kind], stage, microbatch)
+        if sender != _CHAIN:
+            tag = (*tag, sender)
         nbytes = sum(b.numel() * b.element_size() for b in buffers)
         return tag, rebuild(signature, buffers), Transfer(tag, self.peer, posted, done, nbytes)
 

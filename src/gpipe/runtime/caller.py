@@ -1,29 +1,60 @@
 """The caller's side of a step: micro-batches in, and the outputs joined to the caller's graph.
 
-Stage 0 receives each micro-batch cut from the caller's graph; its input gradients are
-carried back into the caller's tensors afterwards. For ``pipe(x)``, the last stage's outputs
-pass through :class:`PipelineBackward`, so the caller's ``loss.backward()`` runs the pipelined
-backward.
+Stage 0 receives each micro-batch cut from the caller's graph (in a dataflow, every stage
+that reads the pipe's inputs receives the values it reads); their input gradients are
+carried back into the caller's tensors afterwards, summed over the stages that read each
+input. For ``pipe(x)``, the last stage's outputs pass through :class:`PipelineBackward`, so
+the caller's ``loss.backward()`` runs the pipelined backward.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
 
 from gpipe.runtime.step import Step
-from gpipe.runtime.transport import GRADIENT
+from gpipe.runtime.transport import ACTIVATION, GRADIENT
 from gpipe.schedule import Schedule
 from gpipe.structure import leaves, map_tensors
 
-__all__ = ["PipelineBackward", "backward_into_input", "to_stage"]
+__all__ = ["PipelineBackward", "backward_into_input", "collect_outputs", "feed", "to_stage"]
+
+Held = Callable[[int], bool]
 
 
 def to_stage(microbatch: Any) -> Any:
     """What stage 0 receives: the micro-batch cut from the caller's graph."""
     return map_tensors(lambda t: t.detach().requires_grad_(t.requires_grad), microbatch)
+
+
+def feed(step: Step, microbatches: list[Any], held: Held | None = None) -> None:
+    """Hand each micro-batch to the stages that read it (those ``held`` here)."""
+    routes = step.stages.routes
+    for i, mb in enumerate(microbatches):
+        if routes is None:
+            step.transport.send((ACTIVATION, 0, i), to_stage(mb))
+        else:
+            routes.feed(step.transport, i, mb, to_stage, held)
+
+
+def collect_outputs(step: Step, count: int) -> list[Any]:
+    """The last stage's output of each of ``count`` micro-batches, once the forwards ran."""
+    routes = step.stages.routes
+    if routes is None:
+        end = step.stages.count
+        return [step.transport.collect((ACTIVATION, end, i)) for i in range(count)]
+    return [step.transport.collect(routes.output_tag(i)) for i in range(count)]
+
+
+def _input_gradients(step: Step, i: int, microbatch: Any, held: Held | None) -> list[Any]:
+    """The gradient of each leaf of micro-batch ``i`` (None: none), as the stages sent it."""
+    routes = step.stages.routes
+    if routes is None:
+        return list(step.transport.collect((GRADIENT, -1, i)))
+    return routes.input_gradients(step.transport, i, microbatch, held)
 
 
 def _input_leaves(microbatch: Any) -> list[torch.Tensor]:
@@ -32,13 +63,14 @@ def _input_leaves(microbatch: Any) -> list[torch.Tensor]:
     ]
 
 
-def backward_into_input(step: Step, microbatches: list[Any]) -> None:
-    """Carry stage 0's input gradients on into the caller's tensors (if they want them)."""
+def backward_into_input(step: Step, microbatches: list[Any], held: Held | None = None) -> None:
+    """Carry the input gradients on into the caller's tensors (if they want them); an input
+    several stages read gets the sum of their gradients."""
     roots, grads = [], []
     for i, mb in enumerate(microbatches):
         if not _input_leaves(mb):
             continue
-        received = step.transport.collect((GRADIENT, -1, i))
+        received = _input_gradients(step, i, mb, held)
         for leaf, grad in zip(leaves(mb), received):
             if grad is not None and isinstance(leaf, torch.Tensor) and leaf.requires_grad:
                 roots.append(leaf)
@@ -82,7 +114,7 @@ class PipelineBackward(torch.autograd.Function):
         # NOTE: a phony input that requires grad makes the outputs require grad even when
         # neither the caller's input nor the passed-through outputs do.
         phony = torch.empty(0, requires_grad=True)
-        meta = (step, backward, inputs, masks, differentiable)
+        meta = (step, backward, microbatches, inputs, masks, differentiable)
         results = iter(PipelineBackward.apply(meta, phony, *tensors))
         connected = []
         for (flat, spec), mask in zip(out_flat, differentiable):
@@ -92,7 +124,7 @@ class PipelineBackward(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, meta: Any, phony: torch.Tensor, *tensors: torch.Tensor) -> Any:
-        _, _, inputs, _, _ = meta
+        _, _, _, inputs, _, _ = meta
         ctx.meta = meta
         # NOTE: saved so that autograd itself frees it after a backward without
         # retain_graph: a second backward then fails as it does in plain PyTorch.
@@ -104,23 +136,22 @@ class PipelineBackward(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grad_outputs: torch.Tensor | None) -> Any:
         ctx.saved_tensors  # noqa: B018 -- raises autograd's own error on a second backward
-        step, backward, inputs, masks, differentiable = ctx.meta
+        step, backward, microbatches, inputs, masks, differentiable = ctx.meta
         retain = _retains_graph()
         if not retain:
             ctx.meta = None  # free the step's saved state once the backward is done
         step.state.retain_graph = retain
-        last = step.stages.last
+        last, routes = step.stages.last, step.stages.routes
         grads = iter(grad_outputs)
         for i, mask in enumerate(differentiable):
-            step.transport.send(
-                (GRADIENT, last, i), [next(grads) if keep else None for keep in mask]
-            )
+            tag = (GRADIENT, last, i) if routes is None else routes.output_gradient_tag(i)
+            step.transport.send(tag, [next(grads) if keep else None for keep in mask])
         step.run(backward.actions)
         input_grads: list[torch.Tensor | None] = []
         for i, (group, mask) in enumerate(zip(inputs, masks)):
             if not group:
                 continue
-            received = step.transport.collect((GRADIENT, -1, i))
+            received = _input_gradients(step, i, microbatches[i], None)
             chosen = [g for g, wanted in zip(received, mask) if wanted]
             input_grads += [
                 None if g is None else g.to(leaf.device) for g, leaf in zip(chosen, group)

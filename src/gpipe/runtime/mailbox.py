@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 import torch
 
+from gpipe.analysis import Transfer
+from gpipe.runtime.routes import Routes
 from gpipe.runtime.transport import ACTIVATION, GRADIENT, Aborted, Tag, to_device
+from gpipe.schedule import BACKWARD, FORWARD
+from gpipe.structure import leaves
+
+_now = time.perf_counter_ns
 
 __all__ = ["LocalTransport", "Mailbox"]
 
@@ -84,27 +91,45 @@ class Mailbox:
 class LocalTransport:
     """Routes messages to the mailbox of the device holding the receiving stage.
 
+    Every message between stages on two different pipeline devices is recorded as a
+    :class:`~gpipe.analysis.Transfer` (see :meth:`transfers`), so a local timeline shows
+    each hand-off, a dataflow's skips included.
+
     Args:
         placement: ``placement[s]`` is the device of model stage ``s``.
         devices: the ``torch.device`` of each pipeline device; tensors are moved there on
             receipt, unless they come from a stage on the same ``torch.device``.
+        routes: a dataflow's routes (its tags name the sending stage); None for a chain.
     """
 
-    def __init__(self, placement: tuple[int, ...], devices: list[torch.device]) -> None:
+    def __init__(
+        self, placement: tuple[int, ...], devices: list[torch.device], routes: Routes | None = None
+    ) -> None:
         self._placement = placement
         self._devices = devices
         self._boxes = [Mailbox() for _ in devices]
         self._caller = Mailbox()
-        # (kind, receiving stage) of the messages sent by a stage on the receiver's own
-        # torch.device. NOTE: those need no move, and skipping it saves a tensor op per
-        # message (one that releases the GIL, inviting a hand-off to another worker).
+        # Routes by key: (kind, receiving stage), in a dataflow (kind, receiving stage,
+        # sending stage), i.e. the tag without its micro-batch. _local: both stages on one
+        # torch.device. NOTE: those messages need no move, and skipping it saves a tensor op
+        # per message (one that releases the GIL, inviting a hand-off to another worker).
+        # _crossing: the two stages' pipeline devices (sending, receiving), when they differ.
+        self._local: set[tuple[Any, ...]] = set()
+        self._crossing: dict[tuple[Any, ...], tuple[int, int]] = {}
         count = len(placement)
-        self._local = {
-            (kind, stage)
-            for stage in range(count)
-            for kind, sender in ((ACTIVATION, stage - 1), (GRADIENT, stage + 1))
-            if 0 <= sender < count and devices[placement[sender]] == devices[placement[stage]]
-        }
+        for kind, stage, sender in _stage_pairs(count, routes):
+            if not (0 <= sender < count and 0 <= stage < count):
+                continue  # the caller's side
+            key = (kind, stage) if routes is None else (kind, stage, sender)
+            source, target = placement[sender], placement[stage]
+            if devices[source] == devices[target]:
+                self._local.add(key)
+            if source != target:
+                self._crossing[key] = (source, target)
+        # NOTE: recording a message costs three builtin calls (a clock, an isinstance, an
+        # append); the devices, stages and times are worked out only when asked for.
+        self._sent: list[tuple[Tag, int, int]] = []  # (tag, when sent, bytes)
+        self._arrived: dict[Tag, int] = {}  # messages moved on receipt: when they arrived
 
     def _box(self, stage: int) -> Mailbox:
         if 0 <= stage < len(self._placement):
@@ -112,21 +137,30 @@ class LocalTransport:
         return self._caller
 
     def reset(self) -> None:
-        """Empty every mailbox and forget an abort: a new step begins."""
+        """Empty every mailbox, forget an abort and the transfers: a new step begins."""
         for box in self._boxes:
             box.clear()
         self._caller.clear()
+        self._sent = []
+        self._arrived = {}
 
     def send(self, tag: Tag, value: Any) -> None:
         """Deliver ``value`` to the receiver of ``tag``; never blocks."""
+        if tag[:2] + tag[3:] in self._crossing:
+            size = value.nbytes if isinstance(value, torch.Tensor) else _nbytes(value)
+            self._sent.append((tag, _now(), size))
         self._box(tag[1]).put(tag, value)
 
     def recv(self, tag: Tag) -> Any:
         """Wait for the message ``tag`` and return it on the receiving stage's device."""
         value = self._box(tag[1]).take(tag)
-        if (tag[0], tag[1]) in self._local:
+        key = tag[:2] + tag[3:]
+        if key in self._local:
             return value
-        return to_device(value, self._devices[self._placement[tag[1]]])
+        value = to_device(value, self._devices[self._placement[tag[1]]])
+        if key in self._crossing:
+            self._arrived[tag] = _now()
+        return value
 
     def collect(self, tag: Tag) -> Any:
         """Take a message addressed to the caller (stage -1 or S) once a phase is over."""
@@ -137,3 +171,59 @@ class LocalTransport:
         for box in self._boxes:
             box.abort()
         self._caller.abort()
+
+    def transfers(self, origin_ns: int) -> list[Transfer]:
+        """The messages between pipeline devices since the last :meth:`reset`, in seconds
+        from ``origin_ns``: each from its send to its arrival (its move to the receiving
+        device; a hand-off within one torch.device arrives as it is sent)."""
+        transfers = []
+        for tag, sent, nbytes in list(self._sent):
+            source, target = self._crossing[tag[:2] + tag[3:]]
+            arrived = self._arrived.get(tag, sent)
+            transfers.append(
+                Transfer(
+                    FORWARD if tag[0] == ACTIVATION else BACKWARD,
+                    tag[1],
+                    tag[2],
+                    source,
+                    target,
+                    (sent - origin_ns) / 1e9,
+                    (arrived - origin_ns) / 1e9,
+                    nbytes,
+                    _sender(tag),
+                )
+            )
+        return transfers
+
+
+def _stage_pairs(count: int, routes: Routes | None) -> list[tuple[str, int, int]]:
+    """(kind, receiving stage, sending stage) of every message a step may send to a stage."""
+    if routes is None:
+        return [
+            (kind, stage, sender)
+            for stage in range(count)
+            for kind, sender in ((ACTIVATION, stage - 1), (GRADIENT, stage + 1))
+        ]
+    pairs = [
+        (ACTIVATION, stage, source) for stage in range(count) for source, _ in routes.sources[stage]
+    ]
+    pairs += [
+        (GRADIENT, stage, reader) for stage in range(count) for reader, _ in routes.readers[stage]
+    ]
+    return [*pairs, (GRADIENT, count - 1, count)]
+
+
+def _sender(tag: Tag) -> int:
+    """The stage that sent ``tag`` (in a dataflow its tag says; in a chain, a neighbour)."""
+    if len(tag) == 4:
+        return tag[3]
+    return tag[1] - 1 if tag[0] == ACTIVATION else tag[1] + 1
+
+
+def _nbytes(value: Any) -> int:
+    """The bytes of the tensors in a message that is not a lone tensor."""
+    total = 0
+    for leaf in value if type(value) is list else leaves(value):
+        if isinstance(leaf, torch.Tensor):
+            total += leaf.nbytes
+    return total

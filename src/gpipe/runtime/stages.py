@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from gpipe.randomness import Streams
+from gpipe.runtime.routes import Routes
 from gpipe.runtime.threads import DeviceThreads
 
 __all__ = ["StageSet"]
@@ -26,11 +27,18 @@ class StageSet:
             (a distributed pipe keeps only its own).
         devices: one ``torch.device`` per pipeline device.
         placement: ``placement[s]`` is the device index of stage ``s``.
+        routes: how the stages pass values when they form a dataflow (see
+            :mod:`gpipe.runtime.routes`); None for a chain (an ``nn.Sequential``).
+        balance: the model units each stage holds, for a dataflow's random streams: a
+            stage module without its own per-layer ``positions`` draws from one stream,
+            keyed by the position of its first unit.
     """
 
     modules: Sequence[nn.Module | None]
     devices: list[torch.device]
     placement: tuple[int, ...]
+    routes: Routes | None = None
+    balance: Sequence[int] | None = None
     # Whether a stage's forward writes into its input tensors (an in-place op on the input or
     # a view of it, in any layer), per (stage, training mode): such a stage gets a copy of its
     # input. Learned from the first forward, which runs on a copy to be safe (see
@@ -44,10 +52,21 @@ class StageSet:
     saved_bytes: dict[tuple[Any, ...], int] = field(default_factory=dict)
     # A thread per device but the caller's, kept from step to step (see DeviceThreads).
     threads: DeviceThreads = field(default_factory=DeviceThreads, repr=False, compare=False)
+    # Per stage, the random stream keys of its forward and whether the module runs each
+    # layer in a scope of its own (a Partition) or draws from one stream as a whole.
+    keys: list[tuple[list[int], bool]] = field(init=False)
 
     def __post_init__(self) -> None:
         held = {self.placement[s] for s, module in enumerate(self.modules) if module is not None}
         self.streams = Streams({d: self.devices[d] for d in sorted(held)})
+        balance = self.balance or [1] * len(self.modules)
+        self.keys = []
+        for stage, module in enumerate(self.modules):
+            positions: Any = getattr(module, "positions", None)
+            if positions is not None and hasattr(module, "layer_scope"):
+                self.keys.append((list(positions), True))
+            else:
+                self.keys.append(([sum(balance[:stage])], False))
 
     @property
     def count(self) -> int:

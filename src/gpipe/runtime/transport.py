@@ -22,7 +22,9 @@ GRADIENT = "grad"
 
 # (what, receiving stage, micro-batch). Stage -1 and stage S (one past the last) are the
 # caller's side: inputs come from stage -1 and outputs go to stage S; gradients the reverse.
-Tag = tuple[str, int, int]
+# A dataflow's tags add the stage at the other end (see gpipe.runtime.routes):
+# (what, receiving stage, micro-batch, sending stage).
+Tag = tuple[str, int, int] | tuple[str, int, int, int]
 
 
 class Aborted(Exception):

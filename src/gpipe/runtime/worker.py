@@ -13,7 +13,6 @@ import torch
 from gpipe.analysis import Event
 from gpipe.batchnorm import recomputing
 from gpipe.checkpoint import checkpointed
-from gpipe.partition import Partition
 from gpipe.randomness import LOSS_KEY
 from gpipe.runtime.saved import SavedBytes, gradient_bytes, storage_keys, tensor_bytes
 from gpipe.runtime.split_backward import backward_input, backward_weight
@@ -146,6 +145,7 @@ class StageWorker:
         self.transport = transport
         self.state = state
         self.torch_device = stages.devices[device]
+        self.routes = stages.routes
         self.events: list[Event] = state.events[device]
         self.held = 0  # bytes this device holds for backward right now
         self._params: dict[int, set[int]] = {}
@@ -177,7 +177,11 @@ class StageWorker:
 
     def forward(self, action: Action) -> None:
         step, stage, mb = self.state, action.stage, action.microbatch
-        inputs = self.transport.recv((ACTIVATION, stage, mb))
+        routes = self.routes
+        if routes is None:
+            inputs = self.transport.recv((ACTIVATION, stage, mb))
+        else:
+            inputs = routes.receive(self.transport, stage, mb)
         start = time.perf_counter_ns()
         inputs = _as_leaves(inputs)
         key = (stage, self.stages.module(stage).training)
@@ -186,7 +190,8 @@ class StageWorker:
         # counter with the other micro-batches, or what a checkpointed micro-batch recomputes
         # from; a stage that writes into it gets a copy. Whether it does is learned from its
         # first forward in each mode, run on a copy so nothing is written before we know.
-        copied = writes is None or (writes and (step.grad or stage == 0))
+        # In a dataflow a value may also be read by several stages at once: always a copy.
+        copied = writes is None or (writes and (step.grad or stage == 0 or routes is not None))
         given = inputs
         if copied:
             with torch.set_grad_enabled(step.grad):  # the copy joins the graph to the input
@@ -197,7 +202,10 @@ class StageWorker:
             with torch.no_grad():
                 output, _ = self._run(stage, mb, given, source)
             self._learn_writes(key, before, given, copied, harmless=True)
-            self.transport.send((ACTIVATION, stage + 1, mb), output)
+            if routes is None:
+                self.transport.send((ACTIVATION, stage + 1, mb), output)
+            else:
+                routes.send(self.transport, stage, mb, output, None)
             self._record(action, start)
             return
         if checkpointed(step.checkpoint, mb, step.microbatches):
@@ -211,7 +219,12 @@ class StageWorker:
         self._learn_writes(key, before, given, copied, harmless=False)
         step.saved[stage, mb] = saved
         self.held += saved.nbytes
-        if root is None:
+        if routes is not None:
+            if root is None:
+                routes.send(self.transport, stage, mb, output, _for_next_stage)
+            elif stage != routes.last:
+                routes.check_output(stage, output)
+        elif root is None:
             self.transport.send((ACTIVATION, stage + 1, mb), _for_next_stage(output))
         self._record(action, start)
 
@@ -219,7 +232,14 @@ class StageWorker:
         step, stage, mb = self.state, action.stage, action.microbatch
         saved = step.saved[stage, mb]
         has_loss = step.loss is not None and stage == self.stages.last
-        grads = None if has_loss else self.transport.recv((GRADIENT, stage, mb))
+        routes = self.routes
+        if has_loss:
+            grads = None
+        elif routes is None:
+            grads = self.transport.recv((GRADIENT, stage, mb))
+        else:
+            messages = routes.receive_gradients(self.transport, stage, mb)
+            grads = [g for _, message in messages for g in message]
         start = time.perf_counter_ns()
         recomputed = 0  # bytes the recomputation keeps beyond the stashed input
         if saved.outputs is None:  # re-materialize: same inputs, same random streams
@@ -238,7 +258,10 @@ class StageWorker:
             # NOTE: a micro-batch of loss weight 0 adds nothing: no root, not 0 x its loss,
             # which may be nan (a mean over no tokens) and would poison every gradient
             weightless = step.loss is not None and not step.loss.weights[mb]
+            roots: list[tuple[Any, torch.Tensor | None]]
             roots = [] if weightless else [(saved.outputs, None)]
+        elif routes is not None:
+            roots = routes.roots(saved.outputs, messages)
         else:
             roots = [
                 (out, grad)
@@ -257,7 +280,11 @@ class StageWorker:
             found = [leaf.grad for leaf in wanted]
             for leaf in wanted:  # sent on below; a second backward must not add to it
                 leaf.grad = None
-        if stage > 0 or wanted:
+        if routes is not None:
+            routes.send_gradients(
+                self.transport, stage, mb, saved.inputs, dict(zip(map(id, wanted), found))
+            )
+        elif stage > 0 or wanted:
             found_iter = iter(found)
             self.transport.send(
                 (GRADIENT, stage - 1, mb),
@@ -346,11 +373,11 @@ class StageWorker:
         ``source`` if ``inputs`` is a copy of it (the first attempt may have written into it).
         """
         step = self.state
-        module = self.stages.module(stage)
-        assert isinstance(module, Partition)
+        module: Any = self.stages.module(stage)
+        keys, layered = self.stages.keys[stage]
         loss = step.loss if stage == self.stages.last else None
         streams = self.stages.streams.forward(
-            [*module.positions, *([LOSS_KEY] if loss is not None else [])],
+            [*keys, *([LOSS_KEY] if loss is not None else [])],
             device=self.device,
             training=module.training,
             step_seed=step.seed,
@@ -359,11 +386,15 @@ class StageWorker:
         )
 
         def call(given: Any) -> tuple[Any, torch.Tensor | None]:
-            module.layer_scope = streams.layer_scope
-            try:
-                output = module(given)
-            finally:
-                module.layer_scope = None
+            if layered:
+                module.layer_scope = streams.layer_scope
+                try:
+                    output = module(given)
+                finally:
+                    module.layer_scope = None
+            else:  # NOTE: a dataflow's stage module draws from one stream as a whole
+                with streams.scope(keys[0]):
+                    output = module(given)
             if loss is None:
                 return output, None
             with streams.scope(LOSS_KEY):
