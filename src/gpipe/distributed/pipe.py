@@ -33,6 +33,7 @@ from gpipe.batchnorm import (
     refuse_reused_batch_norm,
 )
 from gpipe.checkpoint import check_checkpoint
+from gpipe.dataflow import Stages, named_batch_dims
 from gpipe.distributed.clipping import clip_grad_norm_
 from gpipe.distributed.clock import offsets_to_rank0
 from gpipe.distributed.faults import Failure, FaultChannel, wait_for
@@ -56,11 +57,11 @@ from gpipe.microbatch import (
 )
 from gpipe.partition import check_balance, split_module
 from gpipe.randomness import draw_step_seed
-from gpipe.runtime.caller import backward_into_input, to_stage
+from gpipe.runtime.caller import backward_into_input, collect_outputs, feed
+from gpipe.runtime.routes import Routes
 from gpipe.runtime.stages import StageSet
 from gpipe.runtime.state import Loss, StepState
 from gpipe.runtime.step import Step
-from gpipe.runtime.transport import ACTIVATION
 from gpipe.schedule import FORWARD, Action, Schedule, schedule_for
 from gpipe.structure import map_tensors
 
@@ -81,15 +82,21 @@ def close_all() -> bool:
 
 
 class DistributedGPipe(nn.Module):
-    """Run an ``nn.Sequential`` as a pipeline with one device per process (torchrun).
+    """Run an ``nn.Sequential`` (or :class:`~gpipe.Stages`) as a pipeline with one device per
+    process (torchrun).
 
     Every rank constructs it with the same arguments and calls the same methods in the same
     order (SPMD). Pipeline device ``d`` of replica ``r`` is rank ``r * pp + d``, where
     ``pp = world_size / dp_size``; stages go to devices as the schedule places them.
 
+    A model that is not a chain comes as :class:`~gpipe.Stages`: one stage per rank (``v``
+    per rank when interleaved); each rank keeps only its own stage modules, and values go
+    directly from the rank that makes them to every rank that reads them. Every rank
+    holding a stage that reads the inputs must be given them.
+
     Args:
-        module: the model, an ``nn.Sequential``; it may live on the meta device, in which
-            case only this rank's layers are ever materialized.
+        module: the model, an ``nn.Sequential`` or ``Stages``; it may live on the meta
+            device, in which case only this rank's layers are ever materialized.
         balance: layers per model stage (``pp * virtual_stages`` entries); None or
             "params" evens out parameter counts.
         chunks: M, micro-batches per mini-batch (of each replica).
@@ -150,7 +157,9 @@ class DistributedGPipe(nn.Module):
                 "DistributedGPipe needs a process group: call gpipe.distributed.init() first "
                 "(and launch with torchrun)"
             )
-        check_model(module, "DistributedGPipe")
+        flow = module if isinstance(module, Stages) else None
+        if flow is None:
+            check_model(module, "DistributedGPipe")
         check_virtual(virtual_stages)
         check_balance_type(balance)
         for name, flag in [("zero", zero), ("track_memory", track_memory)]:
@@ -180,14 +189,20 @@ class DistributedGPipe(nn.Module):
         self.torch_device = default_device()
         pp = self.layout.pp
         stages = pp * virtual_stages
-        if stages > len(module):
+        self._flow = flow
+        self._routes = None if flow is None else Routes(flow.dataflow)
+        self.balance: list[int]
+        if flow is not None:
+            self.balance = _stages_balance(flow, balance, pp, virtual_stages, dp_size)
+        elif stages > len(module):
             raise ValueError(
                 f"{pp} pipeline ranks x {virtual_stages} virtual stages = {stages} stages, but "
                 f"the model has {len(module)} layers: launch at most "
                 f"{len(module) // virtual_stages * dp_size} processes, or split the model "
                 "into more layers"
             )
-        self.balance = check_balance(module, _balance(module, balance, stages))
+        else:
+            self.balance = check_balance(module, _balance(module, balance, stages))
         if len(self.balance) != stages:
             raise ValueError(
                 f"balance lists {len(self.balance)} stages but the job has {pp} pipeline ranks "
@@ -206,14 +221,21 @@ class DistributedGPipe(nn.Module):
                 "dp_size": dp_size,
                 "zero": zero,
                 "layers": [type(layer).__name__ for layer in module],
+                "dataflow": None if flow is None else repr(flow.dataflow),
             }
         )
 
         if deferred_batch_norm:
             refuse_reused_batch_norm(module)
             convert_deferred_batch_norm(module)
-        partitions = list(split_module(module, self.balance))
-        self.ties = find_ties(partitions, placement, tied)
+        partitions = list(module) if flow is not None else list(split_module(module, self.balance))
+        # NOTE: a dataflow's stage modules are named by stage (its units have no names in a
+        # Sequential), so ties and checkpoints read "stage.name" (see user_view).
+        self.ties = find_ties(
+            partitions if flow is None else [_under(s, p) for s, p in enumerate(partitions)],
+            placement,
+            tied,
+        )
         self.local_stages = [s for s in range(stages) if placement[s] == self.layout.position]
         held = [p if s in self.local_stages else None for s, p in enumerate(partitions)]
         keep_only(partitions, held, self.torch_device, init_fn)
@@ -221,7 +243,10 @@ class DistributedGPipe(nn.Module):
         self._deferred = [
             m for p in self.partitions for m in p.modules() if isinstance(m, DeferredBatchNorm)
         ]
-        self._stages = StageSet(held, [self.torch_device] * pp, placement)
+        self._stages = StageSet(
+            held, [self.torch_device] * pp, placement, routes=self._routes, balance=self.balance
+        )
+        self._reader = 0 if self._routes is None else _first_reader(self._routes)
 
         self.groups = groups_for(self.layout, self.timeout, self.torch_device.type)
         self.mesh = self.groups.mesh
@@ -287,11 +312,14 @@ class DistributedGPipe(nn.Module):
         microbatch_weight: Callable[[Any], Any] | None = None,
         target_batch_dims: BatchDims = 0,
         local_batch: bool = False,
+        kwargs: dict[str, Any] | None = None,
     ) -> torch.Tensor:
         """One pipelined forward and backward; every rank calls it.
 
         ``input`` is read on the first stage's ranks and ``target`` on the last stage's;
-        the other ranks may pass anything (None). With replicas, each replica takes its
+        the other ranks may pass anything (None). For :class:`~gpipe.Stages`, ``input`` is
+        the first positional input or a tuple of them, ``kwargs`` the keyword inputs, read
+        on every rank holding a stage that reads them. With replicas, each replica takes its
         part of the batch (the batch split into ``dp_size`` parts along its batch dims), or,
         with ``local_batch=True``, the batch given to it is its own part. The micro-batch
         losses are weighted over the whole batch of every replica, so the loss and the
@@ -302,6 +330,7 @@ class DistributedGPipe(nn.Module):
             input, target, loss_fn, reduction, microbatch_weight, target_batch_dims: as
                 :meth:`gpipe.GPipe.train_step`.
             local_batch: ``input`` and ``target`` are this replica's part, not the whole.
+            kwargs: for ``Stages``, the keyword inputs (an attention mask...).
 
         Returns:
             The loss of the whole batch (detached), on every rank.
@@ -312,9 +341,11 @@ class DistributedGPipe(nn.Module):
         if not torch.is_grad_enabled():
             raise RuntimeError("train_step needs autograd: call it outside torch.no_grad()")
         with self._failing_together():
-            first, last = self._holds(0), self._holds(self._stages.last)
-            part = self._part_of(input, self.input_batch_dims, "input", local_batch, first)
-            microbatches = scatter(part, self.chunks, self.input_batch_dims) if first else None
+            first, last = self._reads_input(), self._holds(self._stages.last)
+            input = self._bind(input, kwargs) if first else None
+            dims = self._input_dims()
+            part = self._part_of(input, dims, "input", local_batch, first)
+            microbatches = scatter(part, self.chunks, dims) if first else None
             count, total, seed = self._begin(part, microbatches)
             schedule = self._schedule_for(count)
             loss = None
@@ -337,7 +368,7 @@ class DistributedGPipe(nn.Module):
                 sync.finish(self._wait)
             self._tied.sum_gradients(self._wait)
             if microbatches is not None:
-                backward_into_input(step, microbatches)
+                backward_into_input(step, microbatches, self._holds)
             value = torch.zeros((), dtype=torch.float64)
             if loss is not None:
                 value = weighted_total(loss.weights, step.state.losses).double().cpu()
@@ -352,23 +383,26 @@ class DistributedGPipe(nn.Module):
             return value.to(self.torch_device)
 
     @torch.no_grad()
-    def eval_step(self, input: Any, *, local_batch: bool = False) -> Any:
+    def eval_step(
+        self, input: Any, *, local_batch: bool = False, kwargs: dict[str, Any] | None = None
+    ) -> Any:
         """Forward only: the output on the last stage's rank, None on the others.
 
         With replicas, each replica runs its part of the batch and its last stage's rank
-        returns that part's output.
+        returns that part's output. ``input`` and ``kwargs`` as :meth:`train_step`.
         """
         with self._failing_together():
-            first, last = self._holds(0), self._holds(self._stages.last)
-            part = self._part_of(input, self.input_batch_dims, "input", local_batch, first)
-            microbatches = scatter(part, self.chunks, self.input_batch_dims) if first else None
+            first, last = self._reads_input(), self._holds(self._stages.last)
+            input = self._bind(input, kwargs) if first else None
+            dims = self._input_dims()
+            part = self._part_of(input, dims, "input", local_batch, first)
+            microbatches = scatter(part, self.chunks, dims) if first else None
             count, total, seed = self._begin(part, microbatches)
             forwards = self._schedule_for(count).only([FORWARD])
             step = self._run(forwards, count, seed, grad=False, loss=None, inputs=microbatches)
             if not last:
                 return None
-            end = self._stages.count
-            outputs = [step.transport.collect((ACTIVATION, end, i)) for i in range(count)]
+            outputs = collect_outputs(step, count)
             sizes = microbatch_sizes(total, self.chunks)
             return gather(outputs, self.output_batch_dims, sizes=sizes)
 
@@ -456,8 +490,15 @@ class DistributedGPipe(nn.Module):
     # -- checkpoints -------------------------------------------------------------------
 
     def user_view(self) -> nn.Module:
-        """This rank's layers under their names in the user's model (``state_dict`` keys)."""
+        """This rank's layers under their names in the user's model (``state_dict`` keys).
+
+        For ``Stages``, this rank's stage modules under their stage numbers.
+        """
         view = nn.Module()
+        if self._flow is not None:
+            for stage in self.local_stages:
+                view.add_module(str(stage), self._stages.module(stage))
+            return view
         for partition in self.partitions:
             for name, layer in partition.named_children():
                 view.add_module(name, layer)
@@ -512,11 +553,11 @@ class DistributedGPipe(nn.Module):
             if microbatches is None
             else [
                 len(microbatches),
-                batch_size(part, self.input_batch_dims),
+                batch_size(part, self._input_dims()),
             ]
         )
         header = torch.tensor([*known, seed], dtype=torch.int64)
-        source = self._rank_of(0)
+        source = self._rank_of(self._reader)
         self._collective(lambda: dist.broadcast(header, source, self.groups.control, async_op=True))
         count, total, seed = header.tolist()
         return count, total, seed
@@ -577,10 +618,9 @@ class DistributedGPipe(nn.Module):
         )
         self._state = state
         step = Step(self._stages, self._transport, state)
-        self._transport.expect(inbound(schedule, self.layout.position))
+        self._transport.expect(inbound(schedule, self.layout.position, self._routes))
         if inputs is not None:
-            for i, mb in enumerate(inputs):
-                self._transport.send((ACTIVATION, 0, i), to_stage(mb))
+            feed(step, inputs, self._holds)
         actions = [
             schedule.actions[d] if d == self.layout.position else () for d in range(self.layout.pp)
         ]
@@ -614,6 +654,30 @@ class DistributedGPipe(nn.Module):
 
     def _holds(self, stage: int) -> bool:
         return self._stages.placement[stage] == self.layout.position
+
+    def _reads_input(self) -> bool:
+        """Whether this rank holds a stage that reads the pipe's inputs."""
+        if self._routes is None:
+            return self._holds(0)
+        return any(self._holds(stage) for stage in self._routes.reading_input)
+
+    def _bind(self, input: Any, kwargs: dict[str, Any] | None) -> Any:
+        """The input of a step: as given for a Sequential, named for ``Stages``."""
+        if self._flow is None:
+            if kwargs is not None:
+                raise TypeError(
+                    f"a pipe over an nn.Sequential takes one input, got keyword inputs "
+                    f"{sorted(kwargs)}: pass one tensor (or tuple/dict of them), or split the "
+                    "model into gpipe.Stages, which take named inputs"
+                )
+            return input
+        positional = input if isinstance(input, tuple) else (input,)
+        return self._flow.bind(*positional, **(kwargs or {}))
+
+    def _input_dims(self) -> BatchDims:
+        if self._flow is None:
+            return self.input_batch_dims
+        return named_batch_dims(self.input_batch_dims, self._flow.dataflow.inputs)
 
     def _rank_of(self, stage: int) -> int:
         return self.layout.pipeline[self._stages.placement[stage]]
@@ -659,3 +723,40 @@ def _balance(module: nn.Sequential, balance: Any, stages: int) -> Any:
 
 def _on(value: Any, device: torch.device) -> Any:
     return map_tensors(lambda t: t.to(device), value)
+
+
+def _stages_balance(
+    stages: Stages, balance: Any, pp: int, virtual_stages: int, dp_size: int
+) -> list[int]:
+    """The balance of ``stages``, which must have one stage per rank (``v`` when interleaved)."""
+    if balance is not None and (isinstance(balance, str) or list(balance) != stages.balance):
+        raise ValueError(
+            f"balance={balance!r} conflicts with the Stages' own balance {stages.balance}: the "
+            "stages are already cut; leave balance out"
+        )
+    if len(stages) != pp * virtual_stages:
+        raise ValueError(
+            f"the Stages hold {len(stages)} stages but the job has {pp} pipeline ranks x "
+            f"{virtual_stages} virtual stages = {pp * virtual_stages}: launch "
+            f"{len(stages) // virtual_stages * dp_size} processes (one stage per rank, "
+            f"{virtual_stages} per rank interleaved), or split the model into "
+            f"{pp * virtual_stages} stages"
+        )
+    return list(stages.balance)
+
+
+def _first_reader(routes: Routes) -> int:
+    """The first stage that reads the pipe's inputs (its rank tells the others the batch)."""
+    if not routes.reading_input:
+        raise ValueError(
+            f"no stage of the dataflow reads the pipe's inputs {routes.dataflow.inputs}: "
+            "a pipe needs at least one stage that does"
+        )
+    return min(routes.reading_input)
+
+
+def _under(stage: int, module: nn.Module) -> nn.Module:
+    """``module`` under the name of its stage, so its parameters read ``"stage.name"``."""
+    holder = nn.Module()
+    holder.add_module(str(stage), module)
+    return holder

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from gpipe.analysis import Costs, Event, Timeline, Transfer, simulate
 from gpipe.distributed.transport import P2PTransport
 from gpipe.runtime.step import Step
-from gpipe.runtime.transport import ACTIVATION
+from gpipe.runtime.transport import ACTIVATION, sending_stage
 from gpipe.schedule import BACKWARD, FORWARD, Action, Schedule
 
 __all__ = ["gather_timeline", "predict"]
@@ -65,7 +65,17 @@ def gather_timeline(
             start = handed.get((tuple(tag), source, target), arrived)
             kind = FORWARD if tag[0] == ACTIVATION else BACKWARD
             transfers.append(
-                Transfer(kind, tag[1], tag[2], source, target, start - zero, arrived - zero, nbytes)
+                Transfer(
+                    kind,
+                    tag[1],
+                    tag[2],
+                    source,
+                    target,
+                    start - zero,
+                    arrived - zero,
+                    nbytes,
+                    sending_stage(tuple(tag)),
+                )
             )
     return Timeline(events, "s", schedule.name, transfers=transfers, processes=True)
 

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from gpipe.distributed.faults import Failure, PipelineFailure
 from gpipe.distributed.wire import Signature, decode, encode, flatten, rebuild, receive_buffers
 from gpipe.runtime.mailbox import Mailbox
+from gpipe.runtime.routes import Routes
 from gpipe.runtime.transport import ACTIVATION, GRADIENT, Aborted, Tag
 from gpipe.schedule import BACKWARD, FORWARD, Schedule
 
@@ -403,22 +404,29 @@ def _signature_key(signature: Signature) -> Any:
         return encode(signature).numpy().tobytes()
 
 
-def inbound(schedule: Schedule, device: int) -> dict[int, int]:
+def inbound(schedule: Schedule, device: int, routes: Routes | None = None) -> dict[int, int]:
     """How many messages ``device`` receives from each other device in one step of ``schedule``.
 
-    An F receives its stage's input from the previous stage, a B its output's gradient from
-    the next; the last stage's backward starts from its own loss, never a message.
+    In a chain, an F receives its stage's input from the previous stage, a B its output's
+    gradient from the next; in a dataflow (``routes``), an F one message from each stage it
+    reads from, a B one from each stage that read its output. The last stage's backward
+    starts from its own loss, never a message; the pipe's inputs come from this rank.
     """
     placement, last = schedule.placement, schedule.stages - 1
     counts: dict[int, int] = {}
     for action in schedule.actions[device]:
         stage = action.stage
-        if action.kind == FORWARD and stage > 0:
-            source = placement[stage - 1]
+        if action.kind == FORWARD:
+            if routes is None:
+                senders = [stage - 1] if stage > 0 else []
+            else:
+                senders = [source for source, _ in routes.sources[stage] if source >= 0]
         elif action.kind == BACKWARD and stage < last:
-            source = placement[stage + 1]
+            senders = [stage + 1] if routes is None else [r for r, _ in routes.readers[stage]]
         else:
             continue
-        if source != device:
-            counts[source] = counts.get(source, 0) + 1
+        for sender in senders:
+            source = placement[sender]
+            if source != device:
+                counts[source] = counts.get(source, 0) + 1
     return counts

@@ -10,7 +10,14 @@ import torch
 
 from gpipe.analysis import Transfer
 from gpipe.runtime.routes import Routes
-from gpipe.runtime.transport import ACTIVATION, GRADIENT, Aborted, Tag, to_device
+from gpipe.runtime.transport import (
+    ACTIVATION,
+    GRADIENT,
+    Aborted,
+    Tag,
+    sending_stage,
+    to_device,
+)
 from gpipe.schedule import BACKWARD, FORWARD
 from gpipe.structure import leaves
 
@@ -190,7 +197,7 @@ class LocalTransport:
                     (sent - origin_ns) / 1e9,
                     (arrived - origin_ns) / 1e9,
                     nbytes,
-                    _sender(tag),
+                    sending_stage(tag),
                 )
             )
         return transfers
@@ -211,13 +218,6 @@ def _stage_pairs(count: int, routes: Routes | None) -> list[tuple[str, int, int]
         (GRADIENT, stage, reader) for stage in range(count) for reader, _ in routes.readers[stage]
     ]
     return [*pairs, (GRADIENT, count - 1, count)]
-
-
-def _sender(tag: Tag) -> int:
-    """The stage that sent ``tag`` (in a dataflow its tag says; in a chain, a neighbour)."""
-    if len(tag) == 4:
-        return tag[3]
-    return tag[1] - 1 if tag[0] == ACTIVATION else tag[1] + 1
 
 
 def _nbytes(value: Any) -> int:

@@ -15,7 +15,7 @@ import torch
 
 from gpipe.structure import map_tensors
 
-__all__ = ["ACTIVATION", "GRADIENT", "Aborted", "Tag", "Transport", "to_device"]
+__all__ = ["ACTIVATION", "GRADIENT", "Aborted", "Tag", "Transport", "sending_stage", "to_device"]
 
 ACTIVATION = "act"
 GRADIENT = "grad"
@@ -57,3 +57,11 @@ class Transport(Protocol):
 def to_device(value: Any, device: torch.device) -> Any:
     """Move every tensor in ``value`` to ``device`` (no copy when already there)."""
     return map_tensors(lambda t: t.to(device, non_blocking=True), value)
+
+
+def sending_stage(tag: Tag) -> int:
+    """The stage that sent the message ``tag``: a dataflow's tag names it; in a chain it is
+    the previous stage (an activation) or the next (a gradient)."""
+    if len(tag) == 4:
+        return tag[3]
+    return tag[1] - 1 if tag[0] == ACTIVATION else tag[1] + 1
