@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from gpipe.pipe import GPipe
     from gpipe.planning.planner import plan
     from gpipe.planning.report import Plan, PlanReport
+    from gpipe.split import split
 
 __version__ = "0.1.0"
 
@@ -46,6 +47,7 @@ _LAZY = {
     "Plan": "gpipe.planning.report",
     "PlanReport": "gpipe.planning.report",
     "plan": "gpipe.planning.planner",
+    "split": "gpipe.split",
 }
 
 __all__ = [
@@ -70,6 +72,7 @@ __all__ = [
     "profile",
     "scatter",
     "simulate",
+    "split",
     "validate",
 ]
 
