@@ -9,6 +9,13 @@ from typing import Any
 
 import pytest
 import torch
+from torch import nn
+from torch.testing import assert_close
+from torch.utils._pytree import tree_leaves
+
+import gpipe
+from gpipe.dataflow import INPUT, Stages
+from gpipe.split import SplitStage
 from split_models import (
     Gate,
     make_encoder_decoder,
@@ -19,13 +26,6 @@ from split_models import (
     make_resnet,
     make_unet,
 )
-from torch import nn
-from torch.testing import assert_close
-from torch.utils._pytree import tree_leaves
-
-import gpipe
-from gpipe.dataflow import INPUT, Stages
-from gpipe.split import SplitStage
 
 CASES: dict[str, tuple[Callable[[], Any], list[str], dict[str, Any]]] = {
     "gpt": (make_gpt, ["h.1", "h.3"], {}),
@@ -99,7 +99,7 @@ def test_split_tied_embedding_is_one_parameter_in_first_and_last_stage() -> None
 
 
 def test_split_unet_long_skip_comes_straight_from_its_maker() -> None:
-    model, (args, kwargs) = make_unet()
+    model, (args, _) = make_unet()
     stages = gpipe.split(model, ["down2", "bottom", "up2"], example_inputs=args)
     flow = stages.dataflow
     # d1 (down1's output) is made by stage 0 and read by stage 3 only: no stage relays it

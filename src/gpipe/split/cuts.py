@@ -200,6 +200,15 @@ def cut_at_points(
                 f"stage {i} would be empty: nothing runs {what} split point "
                 f"{split_points[i]!r}; drop that point"
             )
+    bounds = [0, *starts, len(nodes)]
+    for i in range(len(starts) + 1):
+        part = nodes[bounds[i] : bounds[i + 1]]
+        if all(owner(n) is None for n in part):
+            point = split_points[i] if i < len(split_points) else split_points[-1]
+            raise ValueError(
+                f"stage {i} would call no submodule, only {[n.name for n in part][:5]} of the "
+                f"model's own forward: drop split point {point!r}"
+            )
     positions, ordered = _positions(nodes, units_of(model, split_points))
     return _assign(nodes, starts, positions, ordered)
 
