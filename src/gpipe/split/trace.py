@@ -18,9 +18,10 @@ Both follow six of the seven. With the model's ``if`` inside a leaf, fx follows 
 export has no leaves and refuses a data-dependent ``if`` anywhere
 (GuardOnDataDependentSymNode: it would need ``torch.cond`` in the user's code). And only fx
 keeps the user's submodules as calls: a leaf stays opaque, a split point can name any
-submodule, and stage modules read like the model (``state_dict`` keys, ``print``). export inlines every module into ATen operations. Plain
-``symbolic_trace`` fails the HF-style model at a buffer sliced by a traced length (GPT-2's
-causal ``bias[:T, :T]``); gpipe's tracer proxies buffers, which follows it.
+submodule, and stage modules read like the model (``state_dict`` keys, ``print``); export
+inlines every module into ATen operations. Plain ``symbolic_trace`` fails the HF-style
+model at a buffer sliced by a traced length (GPT-2's causal ``bias[:T, :T]``); gpipe's
+tracer proxies buffers, which follows it.
 """
 
 from __future__ import annotations
