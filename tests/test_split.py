@@ -171,8 +171,9 @@ def test_split_balance_by_time_picks_the_cuts_around_the_slow_unit() -> None:
     stages = gpipe.split(model, example_inputs=(x,), balance="time", num_stages=3)
     assert stages.balance == [2, 1, 2]  # the slow unit alone
     assert_close(stages(x), model(x))
-    memory = gpipe.split(model, example_inputs=(x,), balance="memory", num_stages=5)
-    assert memory.balance == [1, 1, 1, 1, 1]
+    # the slow unit also saves 60 activations for its backward
+    memory = gpipe.split(model, example_inputs=(x,), balance="memory", num_stages=3)
+    assert memory.balance == [2, 1, 2]
 
 
 def test_split_runs_each_units_nodes_inside_its_layer_scope() -> None:
