@@ -15,6 +15,7 @@ from torch.utils._pytree import tree_leaves
 
 import gpipe
 from gpipe.dataflow import INPUT, Stages
+from gpipe.models.latency import SleepLayer
 from gpipe.split import SplitStage
 from split_models import (
     Gate,
@@ -153,27 +154,26 @@ def test_split_balance_counts_units_and_positions_follow_the_model() -> None:
     assert_close(stages(*args, **kwargs), model(*args, **kwargs))
 
 
-def test_split_balance_by_time_picks_the_cuts_around_the_slow_unit() -> None:
-    class Slow(nn.Module):
-        def __init__(self, width: int, repeats: int) -> None:
+def test_split_balance_by_time_and_memory_cut_around_the_heavy_unit() -> None:
+    class Unit(nn.Module):
+        def __init__(self, hidden: int, ms: float) -> None:
             super().__init__()
-            self.linear, self.repeats = nn.Linear(width, width), repeats
+            self.up, self.down = nn.Linear(8, hidden), nn.Linear(hidden, 8)
+            self.sleep = SleepLayer(ms, ms)
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            for _ in range(self.repeats):
-                x = torch.tanh(self.linear(x))
-            return x
+            return self.sleep(self.down(torch.tanh(self.up(x))))
 
     torch.manual_seed(0)
-    model = nn.Sequential(Slow(64, 1), Slow(64, 1), Slow(64, 60), Slow(64, 1), Slow(64, 1))
-    model = model.double()
-    x = torch.randn(32, 64, dtype=torch.float64)
-    stages = gpipe.split(model, example_inputs=(x,), balance="time", num_stages=3)
-    assert stages.balance == [2, 1, 2]  # the slow unit alone
-    assert_close(stages(x), model(x))
-    # the slow unit also saves 60 activations for its backward
-    memory = gpipe.split(model, example_inputs=(x,), balance="memory", num_stages=3)
-    assert memory.balance == [2, 1, 2]
+    sizes = [(8, 0.0), (8, 0.0), (4096, 40.0), (8, 0.0), (8, 0.0)]
+    model = nn.Sequential(*(Unit(hidden, ms) for hidden, ms in sizes)).double()
+    x = torch.randn(4, 8, dtype=torch.float64)
+    for kind in ("time", "memory"):  # the third unit is the slowest and holds the most
+        stages = gpipe.split(
+            model, example_inputs=(x,), balance=kind, num_stages=3, leaf_modules=[SleepLayer]
+        )
+        assert stages.balance == [2, 1, 2], kind
+        assert_close(stages(x), model(x))
 
 
 def test_split_runs_each_units_nodes_inside_its_layer_scope() -> None:
