@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from gpipe.pipe import GPipe
     from gpipe.planning.planner import plan
     from gpipe.planning.report import Plan, PlanReport
+    from gpipe.split import split
 
 __version__ = "0.1.0"
 
@@ -48,6 +49,7 @@ _LAZY = {
     "PlanReport": "gpipe.planning.report",
     "plan": "gpipe.planning.planner",
     "Stages": "gpipe.dataflow",
+    "split": "gpipe.split",
 }
 
 __all__ = [
@@ -73,6 +75,7 @@ __all__ = [
     "profile",
     "scatter",
     "simulate",
+    "split",
     "validate",
 ]
 

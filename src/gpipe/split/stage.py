@@ -1,0 +1,168 @@
+"""The stage modules of a cut graph: each takes the dict of values crossing into it and
+returns the dict of values later stages read, calling the user's own submodules."""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable
+from contextlib import AbstractContextManager, ExitStack
+from typing import Any
+
+from torch import fx, nn
+
+from gpipe.dataflow import INPUT, Dataflow
+from gpipe.split.cuts import Cuts
+from gpipe.split.trace import Traced
+
+__all__ = ["SplitStage", "build_stages"]
+
+LayerScope = Callable[[int], AbstractContextManager[Any]]
+
+
+class SplitStage(nn.Module):
+    """One stage of a traced model: its part of the graph, over the user's own submodules.
+
+    Its children are the user's submodules (and parameters, buffers) that its part of the
+    graph uses, under their names in the user's model, so ``state_dict`` keys read as there
+    and gradients land on the user's Parameters. A Parameter two stages read (an embedding
+    tied to the head) is the same object in both.
+
+    Like :class:`gpipe.partition.Partition`, ``positions`` lists the model units (see
+    :mod:`gpipe.split.cuts`) whose code runs here, and the runtime may set ``layer_scope``:
+    then every unit's nodes run inside ``layer_scope(position)``, so each unit draws from its
+    own random stream wherever the cuts put it.
+    """
+
+    def __init__(self, root: nn.Module, graph: fx.Graph, positions: dict[str, int], name: str):
+        super().__init__()
+        code = fx.GraphModule(root, graph, class_name=name)
+        # NOTE: the GraphModule copied references (not copies) of what its graph reads; this
+        # module takes them over so it, not a hidden GraphModule, is what .to() and
+        # state_dict() see, and runs the GraphModule's generated code with itself as `self`.
+        for key, child in code._modules.items():
+            self._modules[key] = child
+        for key, param in code._parameters.items():
+            self._parameters[key] = param
+        for key, buffer in code._buffers.items():
+            self._buffers[key] = buffer
+        self.graph = code.graph
+        self._code = type(code).forward
+        self._position_of = positions  # node name -> unit position
+        self.positions = sorted(set(positions.values()), key=list(positions.values()).index)
+        self.layer_scope: LayerScope | None = None
+
+    def forward(self, values: dict[str, Any]) -> Any:
+        if self.layer_scope is None:
+            return self._code(self, values)
+        return _Scoped(self, self.layer_scope).run(values)
+
+
+class _Scoped(fx.Interpreter):
+    """Runs a stage node by node, each unit's run of nodes inside its ``layer_scope``."""
+
+    def __init__(self, stage: SplitStage, scope: LayerScope) -> None:
+        super().__init__(stage, graph=stage.graph)
+        self._stage = stage
+        self._scope = scope
+        self._entered: int | None = None
+        self._exits = ExitStack()
+
+    def run(self, *args: Any, **kwargs: Any) -> Any:
+        with self._exits:
+            return super().run(*args, **kwargs)
+
+    def run_node(self, n: fx.Node) -> Any:
+        position = self._stage._position_of.get(n.name)
+        if position is not None and position != self._entered:
+            self._exits.close()
+            self._exits.enter_context(self._scope(position))
+            self._entered = position
+        return super().run_node(n)
+
+
+def _source(node: fx.Node, cuts: Cuts) -> int:
+    return INPUT if node.op == "placeholder" else cuts.stage_of[node]
+
+
+def _name(node: fx.Node, traced: Traced) -> str:
+    if node.op == "placeholder":
+        return next(name for name, p in traced.placeholders.items() if p is node)
+    return node.name
+
+
+def build_stages(root: nn.Module, traced: Traced, cuts: Cuts) -> tuple[list[SplitStage], Dataflow]:
+    """One :class:`SplitStage` per stage of ``cuts``, and the :class:`Dataflow` between them.
+
+    A value crossing several cuts is read by each stage straight from the stage that makes
+    it; parameter reads (``get_attr``) are repeated in every stage that needs them.
+    """
+    graph = traced.graph
+    count = cuts.stages
+    last = count - 1
+    output = next(n for n in graph.nodes if n.op == "output")
+
+    def source(node: fx.Node) -> int | None:
+        if node.op == "placeholder":
+            return INPUT
+        if node.op == "get_attr":
+            return None
+        return cuts.stage_of[node]
+
+    takes: list[list[fx.Node]] = [[] for _ in range(count)]
+    for node in graph.nodes:
+        reader = last if node is output else cuts.stage_of.get(node)
+        if reader is None:
+            continue
+        for arg in node.all_input_nodes:
+            origin = source(arg)
+            if origin is not None and origin != reader and arg not in takes[reader]:
+                takes[reader].append(arg)
+    readers: dict[fx.Node, list[int]] = {}
+    for reader, taken in enumerate(takes):
+        for arg in taken:
+            readers.setdefault(arg, []).append(reader)
+
+    modules = []
+    for stage in range(count):
+        mine = [n for n in graph.nodes if cuts.stage_of.get(n) == stage]
+        gives = [n for n in mine if any(r > stage for r in readers.get(n, ()))]
+        body, copies = _stage_graph(
+            traced, takes[stage], mine, gives, output if stage == last else None
+        )
+        positions = {copies[n].name: cuts.position_of[n] for n in mine}
+        modules.append(SplitStage(root, body, positions, f"Stage{stage}"))
+    dataflow = Dataflow(
+        traced.inputs,
+        tuple(tuple((_name(arg, traced), _source(arg, cuts)) for arg in taken) for taken in takes),
+    )
+    return modules, dataflow
+
+
+def _stage_graph(
+    traced: Traced,
+    taken: list[fx.Node],
+    mine: list[fx.Node],
+    gives: list[fx.Node],
+    output: fx.Node | None,
+) -> tuple[fx.Graph, dict[fx.Node, fx.Node]]:
+    """The graph of one stage: read ``taken`` from the dict, run ``mine``, return the rest;
+    and the copy of each node of ``mine`` in it."""
+    body = fx.Graph()
+    values = body.placeholder("values")
+    env: dict[fx.Node, fx.Node] = {}
+    for arg in taken:
+        env[arg] = body.call_function(operator.getitem, (values, _name(arg, traced)))
+
+    def lookup(node: fx.Node) -> fx.Node:
+        if node not in env and node.op == "get_attr":
+            env[node] = body.node_copy(node)
+        return env[node]
+
+    for node in mine:
+        env[node] = body.node_copy(node, lookup)
+    if output is None:
+        body.output({node.name: env[node] for node in gives})
+    else:
+        body.output(fx.map_arg(output.args[0], lookup))
+    body.lint()
+    return body, env

@@ -1,0 +1,207 @@
+"""gpipe.split cuts real-shaped models into Stages that compute what the model computes,
+with the user's own Parameters, values crossing several cuts sent straight to their reader."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.testing import assert_close
+from torch.utils._pytree import tree_leaves
+
+import gpipe
+from gpipe.dataflow import INPUT, Stages
+from gpipe.models.latency import SleepLayer
+from gpipe.split import SplitStage
+from split_models import (
+    Gate,
+    make_encoder_decoder,
+    make_gated,
+    make_gpt,
+    make_hf_style,
+    make_lstm,
+    make_resnet,
+    make_unet,
+)
+
+CASES: dict[str, tuple[Callable[[], Any], list[str], dict[str, Any]]] = {
+    "gpt": (make_gpt, ["h.1", "h.3"], {}),
+    "gpt-4-stages": (make_gpt, ["h.1", "h.2", "ln_f"], {}),
+    "resnet": (make_resnet, ["layers.1", "layers.3"], {}),
+    "unet": (make_unet, ["down2", "bottom", "up2"], {}),
+    "encoder-decoder": (make_encoder_decoder, ["encoder.1", "decoder.0", "decoder.1"], {}),
+    "lstm": (make_lstm, ["lstm", "head"], {}),
+    "gated-leaf": (make_gated, ["gate", "last"], {"leaf_modules": ["gate"]}),
+    "hf-style": (make_hf_style, ["h.1", "h.2"], {}),
+}
+
+
+def loss_of(output: Any) -> torch.Tensor:
+    """A loss touching every floating output, each element weighted differently."""
+    total = torch.zeros((), dtype=torch.float64)
+    for leaf in tree_leaves(output):
+        if isinstance(leaf, torch.Tensor) and leaf.is_floating_point():
+            weights = torch.linspace(-1.0, 1.0, leaf.numel(), dtype=leaf.dtype)
+            total = total + (leaf.reshape(-1) * weights).sum() + leaf.pow(2).sum()
+    return total
+
+
+def plain_gradients(model: nn.Module, args: Any, kwargs: Any) -> tuple[Any, list[torch.Tensor]]:
+    """The output and every parameter's gradient of plain training, on a copy of ``model``."""
+    reference = copy.deepcopy(model)
+    output = reference(*args, **kwargs)
+    loss_of(output).backward()
+    return output, [p.grad for p in reference.parameters()]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_split_stages_compute_the_model_and_its_gradients(case: str) -> None:
+    make, points, options = CASES[case]
+    model, (args, kwargs) = make()
+    expected, grads = plain_gradients(model, args, kwargs)
+
+    stages = gpipe.split(model, points, example_inputs=args, example_kwargs=kwargs, **options)
+    assert isinstance(stages, Stages) and len(stages) == len(points) + 1
+    output = stages(*args, **kwargs)
+    assert_close(output, expected)
+    loss_of(output).backward()
+    for (name, param), grad in zip(model.named_parameters(), grads):
+        if grad is None:  # a branch the input did not take
+            assert param.grad is None, name
+        else:
+            assert_close(param.grad, grad, msg=name)
+    assert sum(p.grad is not None for p in model.parameters()) > len(grads) // 2
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_split_stages_hold_the_users_own_parameters(case: str) -> None:
+    make, points, options = CASES[case]
+    model, (args, kwargs) = make()
+    stages = gpipe.split(model, points, example_inputs=args, example_kwargs=kwargs, **options)
+    held = {id(p) for stage in stages for p in stage.parameters()}
+    assert held == {id(p) for p in model.parameters()}
+    named = dict(model.named_parameters(remove_duplicate=False))
+    for stage in stages:
+        for name, param in stage.named_parameters(remove_duplicate=False):
+            assert param is named[name], name  # under the user's own name
+
+
+def test_split_tied_embedding_is_one_parameter_in_first_and_last_stage() -> None:
+    model, (args, kwargs) = make_gpt()
+    stages = gpipe.split(model, ["h.1", "h.3"], example_inputs=args, example_kwargs=kwargs)
+    first, last = stages[0], stages[-1]
+    assert first.wte.weight is last.lm_head.weight is model.wte.weight
+    loss_of(stages(*args, **kwargs)).backward()
+    assert model.h[3].mlp.c_fc.weight.grad is not None
+
+
+def test_split_unet_long_skip_comes_straight_from_its_maker() -> None:
+    model, (args, _) = make_unet()
+    stages = gpipe.split(model, ["down2", "bottom", "up2"], example_inputs=args)
+    flow = stages.dataflow
+    # d1 (down1's output) is made by stage 0 and read by stage 3 only: no stage relays it
+    (d1,) = [name for name, source in flow.takes[3] if source == 0]
+    assert d1 == "down1_1"
+    assert all(d1 not in dict(flow.takes[s]) for s in (1, 2))
+    assert flow.sends(0) == {1: ("max_pool2d",), 3: ("down1_1",)}
+    assert (0, 3, ("down1_1",)) in flow.skips()
+
+
+def test_split_mask_kwarg_goes_from_the_input_to_every_stage() -> None:
+    model, (args, kwargs) = make_gpt()
+    stages = gpipe.split(model, ["h.1", "h.3"], example_inputs=args, example_kwargs=kwargs)
+    assert stages.dataflow.inputs == ("idx", "mask")
+    assert all(("mask", INPUT) in taken for taken in stages.dataflow.takes)
+
+
+def test_split_kwarg_left_out_is_baked_in_as_its_default() -> None:
+    model, (args, _) = make_gpt()
+    stages = gpipe.split(model, ["h.2"], example_inputs=args)
+    assert stages.dataflow.inputs == ("idx",)
+    assert_close(stages(*args), model(*args))
+    with pytest.raises(TypeError, match="unknown input 'mask'"):
+        stages(*args, mask=torch.ones(1, 1, 8, 8))
+
+
+def test_split_passes_non_tensor_values_along() -> None:
+    class Shaped(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            batch, width = x.shape
+            return self.b(self.a(x)).reshape(batch * width)
+
+    model = Shaped().double()
+    x = torch.randn(3, 4, dtype=torch.float64)
+    stages = gpipe.split(model, ["b"], example_inputs=(x,))
+    crossing = stages[0]({"x": x})
+    assert {type(v) for v in crossing.values()} == {int, torch.Tensor}
+    assert_close(stages(x), model(x))
+
+
+def test_split_balance_counts_units_and_positions_follow_the_model() -> None:
+    model, (args, kwargs) = make_gpt()
+    stages = gpipe.split(model, example_inputs=args, example_kwargs=kwargs, balance=[4, 3, 2])
+    # units: wte, wpe, drop, h.0 | h.1, h.2, h.3 | ln_f, lm_head
+    assert stages.balance == [4, 3, 2]
+    assert [s.positions for s in stages] == [[0, 1, 2, 3], [4, 5, 6], [7, 8]]
+    assert_close(stages(*args, **kwargs), model(*args, **kwargs))
+
+
+def test_split_balance_by_time_and_memory_cut_around_the_heavy_unit() -> None:
+    class Unit(nn.Module):
+        def __init__(self, hidden: int, ms: float) -> None:
+            super().__init__()
+            self.up, self.down = nn.Linear(8, hidden), nn.Linear(hidden, 8)
+            self.sleep = SleepLayer(ms, ms)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.sleep(self.down(torch.tanh(self.up(x))))
+
+    torch.manual_seed(0)
+    sizes = [(8, 0.0), (8, 0.0), (4096, 40.0), (8, 0.0), (8, 0.0)]
+    model = nn.Sequential(*(Unit(hidden, ms) for hidden, ms in sizes)).double()
+    x = torch.randn(4, 8, dtype=torch.float64)
+    for kind in ("time", "memory"):  # the third unit is the slowest and holds the most
+        stages = gpipe.split(
+            model, example_inputs=(x,), balance=kind, num_stages=3, leaf_modules=[SleepLayer]
+        )
+        assert stages.balance == [2, 1, 2], kind
+        assert_close(stages(x), model(x))
+
+
+def test_split_runs_each_units_nodes_inside_its_layer_scope() -> None:
+    model, (args, kwargs) = make_gpt()
+    stages = gpipe.split(model, ["h.1", "h.3"], example_inputs=args, example_kwargs=kwargs)
+    entered: list[int] = []
+
+    class Scope:
+        def __init__(self, position: int) -> None:
+            entered.append(position)
+
+        def __enter__(self) -> None:
+            return None
+
+        def __exit__(self, *exc: object) -> None:
+            return None
+
+    outputs = []
+    for stage in stages:
+        assert isinstance(stage, SplitStage)
+        stage.layer_scope = Scope
+    outputs.append(stages(*args, **kwargs))
+    assert entered == list(range(9))  # each unit once, in the model's order
+    assert_close(outputs[0], model(*args, **kwargs))
+
+
+def test_split_leaf_type_keeps_data_dependent_control_flow_inside() -> None:
+    model, (args, _) = make_gated()
+    stages = gpipe.split(model, ["gate", "last"], example_inputs=args, leaf_modules=[Gate])
+    for x in (args[0], -args[0].abs() * 10):  # both branches
+        assert_close(stages(x), model(x))
