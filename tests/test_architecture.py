@@ -28,7 +28,7 @@ LAYERS = [
         "loss",
     ),
     ("runtime",),
-    ("balance", "models"),
+    ("balance", "models", "skip"),
     ("pipe",),
     ("distributed",),
     ("planning",),
