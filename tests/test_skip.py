@@ -215,7 +215,7 @@ def test_isolate_only_some_names() -> None:
     assert layer.stashable() == [(ns, "alice"), (None, "bob")]
     with pytest.raises(ValueError, match=r"declares the skips \['alice', 'bob'\], not \['carol'\]"):
         layer.isolate(ns, only=["carol"])
-    with pytest.raises(TypeError, match="takes a gpipe.skip.Namespace"):
+    with pytest.raises(TypeError, match=r"takes a gpipe\.skip\.Namespace"):
         layer.isolate("ns")  # type: ignore[arg-type]
 
 
@@ -242,5 +242,5 @@ def test_skippable_refuses_names_that_are_not_a_list_of_strings(
 
 
 def test_skippable_decorates_only_modules() -> None:
-    with pytest.raises(TypeError, match="decorates an nn.Module class"):
+    with pytest.raises(TypeError, match=r"decorates an nn\.Module class"):
         skippable()(int)  # type: ignore[arg-type]

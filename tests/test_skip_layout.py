@@ -1,4 +1,4 @@
-"""gpipe.skip.stages: a skippable Sequential cut into stages whose skips go straight to their pop."""
+"""gpipe.skip.stages: a skippable Sequential cut into stages; each skip goes straight to its pop."""
 
 from __future__ import annotations
 

@@ -102,5 +102,5 @@ def test_a_layer_used_twice_counts_at_both_positions() -> None:
 
 
 def test_only_a_sequential_is_verified() -> None:
-    with pytest.raises(TypeError, match="checks an nn.Sequential, got Linear"):
+    with pytest.raises(TypeError, match=r"checks an nn\.Sequential, got Linear"):
         verify_skippables(nn.Linear(1, 1))  # type: ignore[arg-type]
