@@ -51,7 +51,7 @@ class SkipStage(Partition):
 
 def stages(
     module: nn.Sequential,
-    balance: Sequence[int],
+    balance: Sequence[int] | str | None,
     devices: Sequence[torch.device | str] | None = None,
 ) -> Stages:
     """Cut a Sequential with :func:`skippable` layers into stages that route skips directly.
@@ -72,12 +72,18 @@ def stages(
     Raises:
         TypeError: ``module`` is not an ``nn.Sequential``, or its stashes and pops do not
             pair up (see :func:`~gpipe.skip.verify_skippables`).
-        ValueError: a balance that does not fit the module.
+        ValueError: a balance that does not fit the module, or that is not a list.
     """
     if not isinstance(module, nn.Sequential):
         raise TypeError(
             f"gpipe.skip.stages cuts an nn.Sequential, got {type(module).__name__}; for "
             "other models use gpipe.split(model, ...)"
+        )
+    if balance is None or isinstance(balance, str):
+        raise ValueError(
+            f"a Sequential with skippable layers needs balance as a list of layers per stage, "
+            f"got {balance!r}: e.g. balance=gpipe.balance.balance_by_params(model, 4) "
+            "(balance='time' and 'memory' cannot profile skippable layers one by one yet)"
         )
     layout = inspect_skip_layout(module, balance)
     named = list(module._modules.items())
