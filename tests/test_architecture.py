@@ -28,7 +28,7 @@ LAYERS = [
         "loss",
     ),
     ("runtime",),
-    ("balance", "models", "split"),
+    ("balance", "models", "skip", "split"),
     ("pipe",),
     ("distributed",),
     ("planning",),

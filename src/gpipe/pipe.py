@@ -47,6 +47,8 @@ from gpipe.runtime.stages import StageSet
 from gpipe.runtime.state import Loss, StepState
 from gpipe.runtime.step import Step
 from gpipe.schedule import BACKWARD, FORWARD, Schedule, make_schedule, schedule_for
+from gpipe.skip import has_skippables
+from gpipe.skip import stages as skip_stages
 from gpipe.structure import leaves, map_tensors
 
 __all__ = ["GPipe"]
@@ -157,6 +159,8 @@ class GPipe(nn.Module):
             check_model(module, "GPipe")
         check_flag("track_memory", track_memory)
         check_flag("deferred_batch_norm", deferred_batch_norm)
+        if has_skippables(module):  # NOTE: so each skip goes straight to the stage popping it
+            module = skip_stages(module, balance)  # type: ignore[assignment]
         # NOTE: str() as torchgpipe does, so a str-like mode object works; then validated.
         self.checkpoint = check_checkpoint(str(checkpoint))
         self.chunks = chunks
