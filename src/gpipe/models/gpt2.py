@@ -49,7 +49,7 @@ class CausalSelfAttention(nn.Module):
         self.dropout = config.dropout
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        # NOTE: no shape is read into Python (no `b, t, c = x.shape`), so torch.fx traces it.
+        # NOTE: unpacked at once: torch.fx follows `q, k, v = t.chunk(3)`, not a generator.
         q, k, v = self.c_attn(x).chunk(3, dim=-1)
         q, k, v = (z.unflatten(-1, (self.n_head, -1)).transpose(1, 2) for z in (q, k, v))
         y = F.scaled_dot_product_attention(
