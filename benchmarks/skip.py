@@ -17,7 +17,7 @@ Locally (one process, a thread per stage) a message is a reference handed over, 
 bytes are what a device-to-device copy would move, and relaying costs only the extra
 hand-offs; ``--distributed`` runs one process per stage (gloo), where every byte is copied.
 
-    python benchmarks/skip.py                  # local, 64x64 images, skips of 2 MiB
+    python benchmarks/skip.py                  # local, 64x64 images, 1 MiB skips
     python benchmarks/skip.py --distributed    # one process per stage
     python benchmarks/skip.py --quick          # smaller, fewer steps, no torch
 """
