@@ -11,7 +11,9 @@ step time. The ideals: the bytes of every value crossing a cut sent once to each
 reads it (what direct routing should send), and the simulator's step time for the
 schedule fed the step's own measured action times with free transfers
 (``pipe.predicted_timeline()``). torch.distributed.pipelining runs the same model, traced
-by its own ``pipeline()``, one process per stage, in the same run.
+by its own ``pipeline()``, one process per stage, in the same run (its IR sends the skips
+directly too; with ``--schedule 1f1b`` its Schedule1F1B hung on this model under gloo in our
+runs, so the default schedule is GPipe's).
 
 Locally (one process, a thread per stage) a message is a reference handed over, so the
 bytes are what a device-to-device copy would move, and relaying costs only the extra
@@ -246,7 +248,7 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=16, help="channels of down.0")
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--chunks", type=int, default=8, help="micro-batches M")
-    parser.add_argument("--schedule", choices=["gpipe", "1f1b"], default="1f1b")
+    parser.add_argument("--schedule", choices=["gpipe", "1f1b"], default="gpipe")
     parser.add_argument("--steps", type=int, default=7, help="measured steps (median)")
     parser.add_argument("--threads", type=int, default=None, help="intra-op threads/process")
     parser.add_argument("--distributed", action="store_true", help="one process per stage")
