@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).parent.parent
-EXAMPLES = ["beyond-sequential.md", "randomness.md"]
+EXAMPLES = ["models.md", "randomness.md"]
 
 
 @pytest.mark.parametrize("page", EXAMPLES)
