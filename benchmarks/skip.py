@@ -32,11 +32,10 @@ import time
 from typing import Any
 
 import torch
-from torch import nn
 from torch.nn import functional as F
 
 import gpipe
-from gpipe.dataflow import INPUT, Dataflow, Stages
+from gpipe.dataflow import INPUT, Stages
 from gpipe.models import UNetConfig, unet
 
 SPLIT_POINTS = ["down.2", "middle", "up.2"]
@@ -56,39 +55,6 @@ def _batch(args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor]:
 def _split(args: argparse.Namespace, x: torch.Tensor) -> Stages:
     model = unet(_config(args.width), seed=0)
     return gpipe.split(model, SPLIT_POINTS, example_inputs=(x[: args.batch // args.chunks],))
-
-
-class _Relay(nn.Module):
-    """A stage that also hands on the values later stages read from earlier ones."""
-
-    def __init__(self, stage: nn.Module, takes: list[str], passes: list[str], last: bool) -> None:
-        super().__init__()
-        self.stage, self.takes, self.passes, self.last = stage, takes, passes, last
-
-    def forward(self, values: dict[str, Any]) -> Any:
-        out = self.stage({name: values[name] for name in self.takes})
-        return out if self.last else {**{name: values[name] for name in self.passes}, **out}
-
-
-def relayed(stages: Stages) -> Stages:
-    """The same stages, every value read past a neighbour relayed along the chain.
-
-    ``Stages.relayed()`` when the runtime provides it; else built here: stage ``s`` reads
-    everything it or a later stage needs from an earlier stage from ``s - 1`` alone.
-    """
-    if hasattr(stages, "relayed"):
-        return stages.relayed()
-    flow, count = stages.dataflow, len(stages)
-    takes, modules = [], []
-    for s, module in enumerate(stages):
-        later = {(n, src) for r in range(s, count) for n, src in flow.takes[r] if 0 <= src < s}
-        own = [n for n, _ in flow.takes[s]]
-        onward = {(n, src) for r in range(s + 1, count) for n, src in flow.takes[r]}
-        passes = sorted(n for n, src in onward if 0 <= src < s)
-        inputs = [(n, src) for n, src in flow.takes[s] if src == INPUT]
-        takes.append(tuple(inputs + [(n, s - 1) for n, _ in sorted(later)]))
-        modules.append(_Relay(module, own, passes, last=s == count - 1))
-    return Stages(modules, Dataflow(flow.inputs, tuple(takes)), balance=stages.balance)
 
 
 def _nbytes(value: Any) -> int:
@@ -123,7 +89,7 @@ def local(args: argparse.Namespace) -> dict[str, dict[str, float]]:
     stages = _split(args, x)
     pipes = {
         "direct": gpipe.GPipe(stages, chunks=args.chunks, schedule=args.schedule),
-        "relayed": gpipe.GPipe(relayed(stages), chunks=args.chunks, schedule=args.schedule),
+        "relayed": gpipe.GPipe(stages.relayed(), chunks=args.chunks, schedule=args.schedule),
     }
     times: dict[str, list[float]] = {mode: [] for mode in pipes}
     sent: dict[str, tuple[int, int]] = {}
@@ -219,7 +185,7 @@ def _ours(args: argparse.Namespace) -> dict[str, dict[str, float]]:
     x, target = _batch(args)
     stages = _split(args, x)
     out: dict[str, dict[str, float]] = {}
-    for mode, flow in (("direct", stages), ("relayed", relayed(stages))):
+    for mode, flow in (("direct", stages), ("relayed", stages.relayed())):
         pipe = gd.DistributedGPipe(flow, chunks=args.chunks, schedule=args.schedule)
         times = []
         for step in range(args.steps + 1):
