@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from gpipe.analysis import Costs, Timeline, kept_microbatches, simulate
+from gpipe.analysis import Costs, Timeline, kept_microbatches, simulate, skips_from_timeline
 from gpipe.arguments import (
     check_balance_type,
     check_chunks,
@@ -390,6 +390,9 @@ class GPipe(nn.Module):
         is the bytes the step counted for it: the count follows the action order and the
         sizes, never the timing (see ``gpipe.analysis.memory``), so it is the same.
 
+        A model that is not a chain also sends values past the stages in between: the
+        prediction shows each of those as its own transfer too.
+
         Args:
             transfer: seconds one hand-off between devices takes, for the prediction.
 
@@ -403,7 +406,8 @@ class GPipe(nn.Module):
         schedule = self._last_schedule
         assert schedule is not None
         costs = Costs.from_timeline(measured, stages=schedule.stages)
-        predicted = simulate(schedule, dataclasses.replace(costs, transfer=transfer))
+        skips = skips_from_timeline(measured, self._skip_pairs())
+        predicted = simulate(schedule, dataclasses.replace(costs, transfer=transfer), skips)
         counted = {
             (device, event.action): event.memory
             for device, events in enumerate(measured.events)
@@ -413,7 +417,7 @@ class GPipe(nn.Module):
             [dataclasses.replace(e, memory=counted.get((device, e.action), 0)) for e in events]
             for device, events in enumerate(predicted.events)
         ]
-        return Timeline(events, "s", predicted.schedule)
+        return Timeline(events, "s", predicted.schedule, transfers=predicted.transfers)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the input through the pipeline; the output lands on the last device.
@@ -606,6 +610,13 @@ class GPipe(nn.Module):
         """Run ``schedule``; deferred batch norm folds its statistics in if the step succeeds."""
         with committing(self._deferred):
             step.run(schedule.actions)
+
+    def _skip_pairs(self) -> list[tuple[int, int]]:
+        """(sending stage, reading stage) of each message between stages that are not
+        neighbours (the pipe's inputs come from the caller, and cost nothing)."""
+        if self._flow is None:
+            return []
+        return [(s, r) for s, r, _ in self._flow.dataflow.skips() if s >= 0]
 
     def _check_placement(self) -> None:
         for stage, partition in enumerate(self.partitions):

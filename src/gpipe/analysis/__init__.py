@@ -7,7 +7,7 @@ Perfetto trace draw either one the same way.
 from gpipe.analysis.formulas import BUBBLE_FORMULAS, bubble_formula, paper_bubble
 from gpipe.analysis.memory import activation_peaks, kept_microbatches
 from gpipe.analysis.search import search
-from gpipe.analysis.simulator import Costs, costs_from_timeline, simulate
+from gpipe.analysis.simulator import Costs, costs_from_timeline, simulate, skips_from_timeline
 from gpipe.analysis.timeline import Event, Timeline, Transfer
 
 __all__ = [
@@ -23,4 +23,5 @@ __all__ = [
     "paper_bubble",
     "search",
     "simulate",
+    "skips_from_timeline",
 ]

@@ -13,7 +13,7 @@ from gpipe.analysis.memory import memory_per_action
 from gpipe.analysis.timeline import Event, Timeline, Transfer
 from gpipe.schedule import BACKWARD, FORWARD, WEIGHT, Action, Schedule, ScheduleError, validate
 
-__all__ = ["Costs", "costs_from_timeline", "simulate"]
+__all__ = ["Costs", "costs_from_timeline", "simulate", "skips_from_timeline"]
 
 PerStage = float | Sequence[float]
 
@@ -70,7 +70,14 @@ def _per_stage(value: PerStage, stages: int, what: str) -> list[float]:
     return values
 
 
-def simulate(schedule: Schedule, costs: Costs | Mapping[str, Any] | None = None) -> Timeline:
+Skip = tuple[int, int, float]  # (sending stage, reading stage, bytes per micro-batch)
+
+
+def simulate(
+    schedule: Schedule,
+    costs: Costs | Mapping[str, Any] | None = None,
+    skips: Sequence[Skip] = (),
+) -> Timeline:
     """Run ``schedule`` on an idealized machine and record when each action ran.
 
     Every device runs its list in order. An action starts when its device is free and
@@ -83,10 +90,18 @@ def simulate(schedule: Schedule, costs: Costs | Mapping[str, Any] | None = None)
     and sends (see :func:`~gpipe.analysis.memory.memory_per_action`; nothing is
     re-materialized here).
 
+    A model that is not a chain also sends values past the stages in between (a U-Net's
+    long skip): each of ``skips`` is one more message per micro-batch, from the sending
+    stage's forward to the reading stage's, and its gradient from the reader's backward to
+    the sender's, costing ``transfer + latency + bytes / bandwidth`` between devices. The
+    timeline lists them among its transfers, each as its own message.
+
     Args:
         schedule: the schedule; it must be valid.
         costs: the cost model, or a dict of its fields (``{"forward": 1, "backward": 2}``);
             by default F = B = 1, W = 0, no transfer time, 1 byte.
+        skips: ``(sending stage, reading stage, bytes)`` of each message between stages
+            that are not neighbours (``Dataflow.skips()`` with the pipe's input left out).
 
     Returns:
         The timeline, in unit ``"cost"``, starting at 0.
@@ -99,19 +114,25 @@ def simulate(schedule: Schedule, costs: Costs | Mapping[str, Any] | None = None)
     if isinstance(costs, Mapping):
         costs = Costs(**costs)
     costs = costs or Costs()
+    for sender, reader, _ in skips:
+        if not 0 <= sender < reader < schedule.stages:
+            raise ValueError(
+                f"skip ({sender}, {reader}) is not a message from an earlier stage to a later "
+                f"one of the schedule's {schedule.stages} stages"
+            )
     # NOTE: a long schedule makes hundreds of thousands of events, none in a reference
     # cycle; left on, the cyclic garbage collector rescans them all, again and again, and
     # takes as long as the simulation itself.
     collecting = gc.isenabled()
     gc.disable()
     try:
-        return _simulate(schedule, costs)
+        return _simulate(schedule, costs, skips)
     finally:
         if collecting:
             gc.enable()
 
 
-def _simulate(schedule: Schedule, costs: Costs) -> Timeline:
+def _simulate(schedule: Schedule, costs: Costs, skips: Sequence[Skip]) -> Timeline:
     stages, microbatches = schedule.stages, schedule.microbatches
     forward = _per_stage(costs.forward, stages, "forward")
     backward = _per_stage(costs.backward, stages, "backward")
@@ -135,8 +156,19 @@ def _simulate(schedule: Schedule, costs: Costs) -> Timeline:
     ]
     from_previous = [edge[s - 1] if s else 0.0 for s in range(stages)]
     from_next = edge
+    # Per stage, the skips its forward waits for and those its backward waits for:
+    # (the other stage, the extra wait, bytes).
+    skips_in: list[list[tuple[int, float, float]]] = [[] for _ in range(stages)]
+    skips_back: list[list[tuple[int, float, float]]] = [[] for _ in range(stages)]
+    for sender, reader, nbytes in skips:
+        cost = 0.0
+        if placement[sender] != placement[reader]:
+            cost = costs.transfer + costs.latency + nbytes / costs.bandwidth
+        skips_in[reader].append((sender, cost, nbytes))
+        skips_back[sender].append((reader, cost, nbytes))
+    skipping = bool(skips)
     transfers: list[Transfer] = []
-    record = any(edge)
+    record = any(edge) or any(cost for waits in skips_in for _, cost, _ in waits)
 
     # NOTE: this loop is the simulator's whole cost (K=128, M=1024 is 262k actions), so it
     # keeps finish times in one flat list of floats, keyed by int, with -1.0 for "not yet":
@@ -188,6 +220,9 @@ def _simulate(schedule: Schedule, costs: Costs) -> Timeline:
             else:
                 deps = ((size + index, 0.0),)
                 duration = weight[stage]
+            if skipping:  # NOTE: one test per action when there are none: the hot loop
+                skipped = _skip_waits(kind, stage, i, microbatches, skips_in, skips_back)
+                deps += tuple((key, cost) for key, cost, _ in skipped)
             start, blocked = clock, False
             for dep, extra in deps:
                 end = ends[dep]
@@ -200,7 +235,10 @@ def _simulate(schedule: Schedule, costs: Costs) -> Timeline:
             if blocked:
                 break
             if record:
-                _record_transfers(transfers, action, device, deps, ends, placement, sizes)
+                chain = deps[: len(deps) - len(skipped)] if skipping else deps
+                _record_transfers(transfers, action, device, chain, ends, placement, sizes)
+                if skipping:
+                    _record_skips(transfers, action, device, skipped, ends, placement, microbatches)
             key = offset[kind] + index
             if ends[key] >= 0:
                 raise _invalid(schedule)
@@ -244,6 +282,54 @@ def _record_transfers(
                 sent,
                 sent + extra,
                 int(sizes[min(stage, source)]),
+                source,
+            )
+        )
+
+
+def _skip_waits(
+    kind: str,
+    stage: int,
+    microbatch: int,
+    microbatches: int,
+    skips_in: list[list[tuple[int, float, float]]],
+    skips_back: list[list[tuple[int, float, float]]],
+) -> list[tuple[int, float, float]]:
+    """The skips an action waits for: (finish-time key, extra wait, bytes)."""
+    size = len(skips_in) * microbatches
+    if kind == FORWARD:
+        return [(s * microbatches + microbatch, c, b) for s, c, b in skips_in[stage]]
+    if kind == BACKWARD:
+        return [(size + r * microbatches + microbatch, c, b) for r, c, b in skips_back[stage]]
+    return []
+
+
+def _record_skips(
+    transfers: list[Transfer],
+    action: Action,
+    device: int,
+    skipped: list[tuple[int, float, float]],
+    ends: list[float],
+    placement: tuple[int, ...],
+    microbatches: int,
+) -> None:
+    """The skip messages ``action`` waited for, each its own transfer, if remote."""
+    for key, extra, nbytes in skipped:
+        if not extra:
+            continue
+        sender = (key % (len(placement) * microbatches)) // microbatches
+        sent = ends[key]
+        transfers.append(
+            Transfer(
+                action.kind,
+                action.stage,
+                action.microbatch,
+                placement[sender],
+                device,
+                sent,
+                sent + extra,
+                int(nbytes),
+                sender,
             )
         )
 
@@ -283,3 +369,18 @@ def costs_from_timeline(timeline: Timeline, stages: int | None = None) -> Costs:
         return [statistics.median(d) if d else 0.0 for d in durations[kind]]
 
     return Costs(forward=medians(FORWARD), backward=medians(BACKWARD), weight=medians(WEIGHT))
+
+
+def skips_from_timeline(timeline: Timeline, pairs: Sequence[tuple[int, int]]) -> list[Skip]:
+    """The skips ``pairs`` (sending stage, reading stage) with the median bytes a measured
+    timeline's transfers carried between them (0 where none crossed devices), for
+    :func:`simulate`."""
+    skips: list[Skip] = []
+    for sender, reader in pairs:
+        sizes = [
+            t.nbytes
+            for t in timeline.transfers
+            if t.kind == FORWARD and t.sender == sender and t.stage == reader
+        ]
+        skips.append((sender, reader, statistics.median(sizes) if sizes else 0.0))
+    return skips

@@ -485,7 +485,11 @@ class DistributedGPipe(nn.Module):
         """
         measured = self.timeline
         assert self._last is not None
-        return predict(measured, self._last[1], self._link)
+        flow = self._flow
+        skips: list[tuple[int, int]] = []
+        if flow is not None:
+            skips = [(s, r) for s, r, _ in flow.dataflow.skips() if s >= 0]
+        return predict(measured, self._last[1], self._link, skips)
 
     # -- checkpoints -------------------------------------------------------------------
 

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
+from collections.abc import Sequence
 from typing import Any
 
 import torch.distributed as dist
 
-from gpipe.analysis import Costs, Event, Timeline, Transfer, simulate
+from gpipe.analysis import Costs, Event, Timeline, Transfer, simulate, skips_from_timeline
 from gpipe.distributed.transport import P2PTransport
 from gpipe.runtime.step import Step
 from gpipe.runtime.transport import ACTIVATION, sending_stage
@@ -80,12 +81,23 @@ def gather_timeline(
     return Timeline(events, "s", schedule.name, transfers=transfers, processes=True)
 
 
-def predict(measured: Timeline, schedule: Schedule, link: tuple[float, float]) -> Timeline:
+def predict(
+    measured: Timeline,
+    schedule: Schedule,
+    link: tuple[float, float],
+    skips: Sequence[tuple[int, int]] = (),
+) -> Timeline:
     """The simulator's account of ``measured``: its median action times, and each message
-    costing the link's latency plus its bytes over the link's bandwidth."""
+    costing the link's latency plus its bytes over the link's bandwidth. ``skips``: the
+    (sending, reading) stages of a dataflow's messages between stages that are not
+    neighbours, each its own message."""
     sizes = [0.0] * schedule.stages  # what each stage receives, median over the step
     for stage in range(1, schedule.stages):
-        came = [t.nbytes for t in measured.transfers if t.kind == FORWARD and t.stage == stage]
+        came = [
+            t.nbytes
+            for t in measured.transfers
+            if t.kind == FORWARD and t.stage == stage and t.sender in (None, stage - 1)
+        ]
         sizes[stage] = statistics.median(came) if came else 0.0
     latency, bandwidth = link
     costs = dataclasses.replace(
@@ -94,6 +106,6 @@ def predict(measured: Timeline, schedule: Schedule, link: tuple[float, float]) -
         bandwidth=bandwidth,
         gradient_bytes=sizes,
     )
-    predicted = simulate(schedule, costs)
+    predicted = simulate(schedule, costs, skips_from_timeline(measured, skips))
     predicted.unit, predicted.processes = "s", True
     return predicted
