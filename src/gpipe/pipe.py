@@ -159,8 +159,9 @@ class GPipe(nn.Module):
             check_model(module, "GPipe")
         check_flag("track_memory", track_memory)
         check_flag("deferred_batch_norm", deferred_batch_norm)
-        if has_skippables(module):  # NOTE: so each skip goes straight to the stage popping it
-            module = skip_stages(module, balance)  # type: ignore[assignment]
+        if isinstance(module, nn.Sequential) and has_skippables(module):
+            # NOTE: so each skip goes straight to the stage popping it.
+            module = skip_stages(module, balance)
         # NOTE: str() as torchgpipe does, so a str-like mode object works; then validated.
         self.checkpoint = check_checkpoint(str(checkpoint))
         self.chunks = chunks
