@@ -13,7 +13,8 @@ schedule fed the step's own measured action times with free transfers
 (``pipe.predicted_timeline()``). torch.distributed.pipelining runs the same model, traced
 by its own ``pipeline()``, one process per stage, in the same run (its IR sends the skips
 directly too; with ``--schedule 1f1b`` its Schedule1F1B hung on this model under gloo in our
-runs, so the default schedule is GPipe's).
+runs, so the default schedule is GPipe's). Both run without re-materialization by default
+(``--checkpoint never``), as torch pipelining does not recompute.
 
 Locally (one process, a thread per stage) a message is a reference handed over, so the
 bytes are what a device-to-device copy would move, and relaying costs only the extra
@@ -88,8 +89,10 @@ def local(args: argparse.Namespace) -> dict[str, dict[str, float]]:
     x, target = _batch(args)
     stages = _split(args, x)
     pipes = {
-        "direct": gpipe.GPipe(stages, chunks=args.chunks, schedule=args.schedule),
-        "relayed": gpipe.GPipe(stages.relayed(), chunks=args.chunks, schedule=args.schedule),
+        mode: gpipe.GPipe(
+            flow, chunks=args.chunks, schedule=args.schedule, checkpoint=args.checkpoint
+        )
+        for mode, flow in (("direct", stages), ("relayed", stages.relayed()))
     }
     times: dict[str, list[float]] = {mode: [] for mode in pipes}
     sent: dict[str, tuple[int, int]] = {}
@@ -185,8 +188,13 @@ def _ours(args: argparse.Namespace) -> dict[str, dict[str, float]]:
     x, target = _batch(args)
     stages = _split(args, x)
     out: dict[str, dict[str, float]] = {}
+    if rank == 0:  # NOTE: before a pipe frees the stages this rank does not run
+        ideal_f, ideal_b = ideal_bytes(stages, x, args.chunks)
+        out["ideal"] = {"forward_mib": ideal_f / 2**20, "backward_mib": ideal_b / 2**20}
     for mode, flow in (("direct", stages), ("relayed", stages.relayed())):
-        pipe = gd.DistributedGPipe(flow, chunks=args.chunks, schedule=args.schedule)
+        pipe = gd.DistributedGPipe(
+            flow, chunks=args.chunks, schedule=args.schedule, checkpoint=args.checkpoint
+        )
         times = []
         for step in range(args.steps + 1):
             began = time.perf_counter()
@@ -202,9 +210,6 @@ def _ours(args: argparse.Namespace) -> dict[str, dict[str, float]]:
             "backward_mib": sum(t.nbytes for t in transfers if t.kind == "B") / 2**20,
         }
         pipe.close()
-    if rank == 0:
-        ideal_f, ideal_b = ideal_bytes(stages, x, args.chunks)
-        out["ideal"] = {"forward_mib": ideal_f / 2**20, "backward_mib": ideal_b / 2**20}
     return out
 
 
@@ -215,6 +220,12 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--chunks", type=int, default=8, help="micro-batches M")
     parser.add_argument("--schedule", choices=["gpipe", "1f1b"], default="gpipe")
+    parser.add_argument(
+        "--checkpoint",
+        choices=["never", "except_last", "always"],
+        default="never",
+        help="re-materialization (never: as torch pipelining, which does not recompute)",
+    )
     parser.add_argument("--steps", type=int, default=7, help="measured steps (median)")
     parser.add_argument("--threads", type=int, default=None, help="intra-op threads/process")
     parser.add_argument("--distributed", action="store_true", help="one process per stage")
@@ -230,8 +241,8 @@ def main() -> None:
     runtime = "distributed (one process per stage)" if args.distributed else "local (threads)"
     print(
         f"U-Net widths {_config(args.width).widths}, {args.side}x{args.side} images, batch "
-        f"{args.batch}, K={STAGES}, M={args.chunks}, schedule {args.schedule}, {runtime}; "
-        f"down.0's skip is {skip_mib:.2f} MiB per micro-batch"
+        f"{args.batch}, K={STAGES}, M={args.chunks}, schedule {args.schedule}, checkpoint "
+        f"{args.checkpoint}, {runtime}; down.0's skip is {skip_mib:.2f} MiB per micro-batch"
     )
     results = distributed(args) if args.distributed else local(args)
     ideal = results["ideal"]
@@ -263,6 +274,7 @@ def main() -> None:
     fields: dict[str, Any] = {
         "runtime": "distributed" if args.distributed else "local",
         "schedule": args.schedule,
+        "checkpoint": args.checkpoint,
         "stages": STAGES,
         "microbatches": args.chunks,
         "direct_mib": f"{sent['direct']:.1f}",

@@ -33,6 +33,7 @@ VARIANTS = {
         ["--stages", "2", "4", "--microbatches", "8", "16"],
     ),
     "schedules_distributed": ("schedules", ["--runtime", "distributed", "--microbatches", "8"]),
+    "skip_distributed": ("skip", ["--distributed"]),
 }
 
 INTRO = """\
