@@ -285,3 +285,13 @@ def bad_config(case: str) -> Any:
     except (ValueError, TypeError) as error:
         return {"error": f"{type(error).__name__}: {error}"}
     return {"error": ""}
+
+
+def timeline_on_one_rank() -> Any:
+    """Only rank 0 reads ``pipe.timeline`` (a collective): it must fail, naming the fix."""
+    pipe = gd.DistributedGPipe(mlp(2), chunks=2, timeout=4)
+    x, y = torch.randn(4, WIDTH, dtype=torch.float64), torch.randn(4, WIDTH, dtype=torch.float64)
+    pipe.train_step(x, y, nn.functional.mse_loss)
+    if dist.get_rank() == 0:
+        return {"makespan": pipe.timeline.makespan}
+    return {"asked": False}

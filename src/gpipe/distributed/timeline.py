@@ -47,7 +47,15 @@ def gather_timeline(
         "received": [(t.tag, t.source, seconds(t.done_ns), t.nbytes) for t in transport.transfers],
     }
     gathered: list[Any] = [None] * len(pipeline)
-    dist.all_gather_object(gathered, mine, group=group)
+    try:
+        dist.all_gather_object(gathered, mine, group=group)
+    except RuntimeError as error:  # NOTE: most often one rank asked alone (`if rank == 0:`)
+        raise RuntimeError(
+            f"gathering the timeline failed on rank {dist.get_rank()}: it is a collective, so "
+            "every rank of the pipeline must read pipe.timeline (and predicted_timeline()) "
+            "after the same step; read it on every rank, then print or save it on one "
+            f"({error})"
+        ) from error
     zero = min((e[1] for g in gathered for e in g["events"]), default=origin)
     events = [
         [Event(Action.parse(a), start - zero, end - zero, m) for a, start, end, m in g["events"]]
