@@ -26,6 +26,7 @@ LAYERS = [
         "batchnorm",
         "arguments",
         "loss",
+        "tied",
     ),
     ("runtime",),
     ("balance", "models", "skip", "split"),

@@ -1,5 +1,6 @@
 """A layer object used at several places, or a parameter shared by two layers, trains as in plain
-PyTorch when its uses share a device, and is refused with the fix when they would not."""
+PyTorch when its uses share a device. Across devices a shared parameter gets a copy per device
+(tests/test_tied_local.py), and a shared layer with parameters is refused with the fix."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from torch.testing import assert_close
 
 from conftest import reference_step
 from gpipe import GPipe
-from gpipe.partition import check_shared_placement, split_module
+from gpipe.partition import split_module
+from gpipe.tied import TiedParameters
 
 
 def _reused_relu() -> nn.Sequential:
@@ -111,30 +113,28 @@ def test_state_dict_keys_read_as_the_users_model() -> None:
     assert sorted(stage_keys) == sorted(model.state_dict())
 
 
-def _placement_error(model: nn.Sequential, balance: list[int], devices: list[str]) -> str:
+def _ties(model: nn.Sequential, balance: list[int], devices: list[str]) -> TiedParameters:
+    """The tied parameters of ``model`` cut by ``balance``, stage ``s`` on ``devices[s]``."""
     stages = split_module(model, balance)
-    with pytest.raises(ValueError) as info:
-        check_shared_placement(stages, [torch.device(d) for d in devices])
-    return str(info.value)
+    return TiedParameters(stages, range(len(devices)), [torch.device(d) for d in devices])
 
 
 def test_reused_layer_with_parameters_on_two_devices_is_refused_with_the_fix() -> None:
-    message = _placement_error(_reused_linear(), [1, 4], ["cpu", "cuda:0"])
-    assert "layers 0 and 2" in message
-    assert "stage 0 (cpu)" in message and "stage 1 (cuda:0)" in message
-    assert "one stage" in message and "same device" in message
+    with pytest.raises(ValueError) as info:
+        _ties(_reused_linear(), [1, 4], ["cpu", "cuda:0"])
+    message = str(info.value)
+    assert "stage 0's '0' is stage 1's '2' (one Linear object" in message
+    assert "stage 0 runs on cpu and stage 1 on cuda:0" in message
+    assert "its own Linear" in message and "one stage" in message and "same device" in message
 
 
-def test_parameter_shared_by_two_layers_on_two_devices_is_refused_with_the_fix() -> None:
-    message = _placement_error(_tied_weights(), [2, 3], ["cpu", "cuda:1"])
-    assert "layers 0 and 4" in message and "'0.weight'" in message and "'4.weight'" in message
-    assert "same device" in message
+def test_parameter_shared_by_two_layers_on_two_devices_gets_a_copy() -> None:
+    assert len(_ties(_tied_weights(), [2, 3], ["cpu", "cuda:1"])) == 1
+    assert len(_ties(_tied_weights(), [2, 3], ["cuda:1", "cuda:1"])) == 0
 
 
 def test_reused_parameter_free_layer_may_span_devices() -> None:
-    check_shared_placement(
-        split_module(_reused_relu(), [2, 3]), [torch.device("cpu"), torch.device("cuda:0")]
-    )
+    assert len(_ties(_reused_relu(), [2, 3], ["cpu", "cuda:0"])) == 0
 
 
 def test_pipe_refuses_shared_parameters_across_devices_before_moving_anything(
@@ -145,7 +145,7 @@ def test_pipe_refuses_shared_parameters_across_devices_before_moving_anything(
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     model = _reused_linear()
-    with pytest.raises(ValueError, match="layers 0 and 2"):
+    with pytest.raises(ValueError, match="stage 0's '0' is stage 1's '2'"):
         GPipe(model, [1, 4], devices=["cpu", "cuda:0"])
     assert all(p.device.type == "cpu" for p in model.parameters())
 

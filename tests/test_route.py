@@ -12,7 +12,8 @@ from torch.nn import functional as F
 
 import gpipe
 from gpipe import GPipe
-from gpipe.dataflow import INPUT, Dataflow, Stages, check_shared_devices
+from gpipe.dataflow import INPUT, Dataflow, Stages
+from gpipe.tied import TiedParameters
 from route_models import FLOW, batch, unet
 
 # The mask is one (4,) tensor for every sample: given whole to every micro-batch.
@@ -170,12 +171,10 @@ def test_a_tied_weight_on_one_device_is_one_parameter_with_both_stages_gradients
     torch.testing.assert_close(stages[0].lin.weight.grad, expected["grads"][0])
 
 
-def test_a_tied_weight_on_two_devices_is_refused_with_the_stages_named() -> None:
-    stages = unet(tied=True)
-    devices = [torch.device("cuda", d) for d in (0, 0, 1, 1)]
-    with pytest.raises(ValueError, match=r"stage 0's 'lin.weight' is stage 3's 'lin.weight'"):
-        check_shared_devices(list(stages), devices)
-    check_shared_devices(list(stages), [torch.device("cuda", d) for d in (0, 1, 1, 0)])
+def test_a_tied_weight_gets_a_copy_only_when_its_stages_are_on_two_devices() -> None:
+    devices = [torch.device("cuda", 0), torch.device("cuda", 1)]
+    assert len(TiedParameters(unet(tied=True), (0, 0, 1, 1), devices)) == 1
+    assert len(TiedParameters(unet(tied=True), (0, 1, 1, 0), devices)) == 0
 
 
 def test_a_stage_that_returns_too_little_names_the_stage_and_the_missing_value() -> None:

@@ -29,7 +29,6 @@ __all__ = [
     "INPUT",
     "Dataflow",
     "Stages",
-    "check_shared_devices",
     "named_batch_dims",
     "run_in_order",
 ]
@@ -336,32 +335,3 @@ def named_batch_dims(dims: Any, names: Sequence[str]) -> Any:
         given = dict(zip(names, dims))
         return {name: given.get(name, 0) for name in names}
     return dims
-
-
-def check_shared_devices(modules: Sequence[nn.Module], devices: Sequence[torch.device]) -> None:
-    """Refuse a tensor that stage modules on different devices would share.
-
-    A Parameter used by two stages (an embedding tied to the head) is one tensor: stages on
-    one device simply share it (both backwards accumulate into one ``.grad``), but it cannot
-    live on two devices at once.
-
-    Raises:
-        ValueError: two stages on different devices hold the same tensor; the message names
-            the tensor, the stages and the fix.
-    """
-    first: dict[int, tuple[int, str]] = {}
-    for stage, (module, device) in enumerate(zip(modules, devices)):
-        named = [
-            *module.named_parameters(remove_duplicate=False),
-            *module.named_buffers(remove_duplicate=False),
-        ]
-        for name, tensor in named:
-            held, held_as = first.setdefault(id(tensor), (stage, name))
-            other = devices[held]
-            if other != device and not (other.type == device.type == "cpu"):
-                raise ValueError(
-                    f"stage {held}'s {held_as!r} is stage {stage}'s {name!r} (one tensor, tied), "
-                    f"which can live on only one device, but stage {held} runs on {other} and "
-                    f"stage {stage} on {device}: give those stages the same device, or untie "
-                    "them (the distributed pipe keeps a copy per rank and sums their gradients)"
-                )

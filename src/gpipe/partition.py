@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
-from typing import Any, NamedTuple
+from typing import Any
 
-import torch
 from torch import nn
 
-__all__ = ["Partition", "check_balance", "check_shared_placement", "split_module"]
+__all__ = ["Partition", "check_balance", "split_module"]
 
 # What runs around each layer call: given the layer's position in the user's model, a context
 # manager (gpipe.randomness sets the layer's random stream there). None: nothing.
@@ -100,58 +99,3 @@ def split_module(module: nn.Sequential, balance: Sequence[int]) -> nn.ModuleList
         stages.append(Partition(named[start : start + size], range(start, start + size)))
         start += size
     return stages
-
-
-def check_shared_placement(stages: Iterable[nn.Module], devices: Sequence[torch.device]) -> None:
-    """Refuse parameters (or buffers) that stages on different devices would share.
-
-    A layer object used at two positions, or a parameter tied between two layers, is one
-    tensor: stages on one device simply share it (each stage's backward accumulates into the
-    same ``.grad``; NOTE: the autograd engine locks AccumulateGrad, so two stages' workers may
-    do so at once), but it cannot live on two devices at once.
-
-    Args:
-        stages: the :class:`Partition` of each stage.
-        devices: the device of each stage.
-
-    Raises:
-        ValueError: two stages on different devices hold the same tensor; the message names
-            the layers and the fix.
-    """
-    first_use: dict[int, _Use] = {}  # by tensor id
-    for stage, (partition, device) in enumerate(zip(stages, devices)):
-        positions = getattr(partition, "positions", range(len(partition._modules)))
-        for position, (name, layer) in zip(positions, partition._modules.items()):
-            assert layer is not None
-            for tensor_name, tensor in [*layer.named_parameters(), *layer.named_buffers()]:
-                use = _Use(stage, position, f"{name}.{tensor_name}", layer, device)
-                first = first_use.setdefault(id(tensor), use)
-                if not _same_device(first.device, device):
-                    raise ValueError(_shared_message(first, use))
-
-
-class _Use(NamedTuple):
-    stage: int
-    position: int
-    name: str
-    layer: nn.Module
-    device: torch.device
-
-
-def _same_device(a: torch.device, b: torch.device) -> bool:
-    return a == b or (a.type == b.type == "cpu")
-
-
-def _shared_message(a: _Use, b: _Use) -> str:
-    if a.layer is b.layer:
-        what = f"layers {a.position} and {b.position} are one {type(a.layer).__name__} object"
-        untie = ""
-    else:
-        what = f"layers {a.position} and {b.position} share a tensor ({a.name!r} is {b.name!r})"
-        untie = ", or untie them"
-    return (
-        f"{what}, which can live on only one device, but the balance puts layer {a.position} "
-        f"on stage {a.stage} ({a.device}) and layer {b.position} on stage {b.stage} "
-        f"({b.device}): put both on one stage (change balance), or give those stages the "
-        f"same device{untie}"
-    )

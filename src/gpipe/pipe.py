@@ -27,7 +27,7 @@ from gpipe.batchnorm import (
     refuse_reused_batch_norm,
 )
 from gpipe.checkpoint import check_checkpoint
-from gpipe.dataflow import Stages, check_shared_devices, named_batch_dims
+from gpipe.dataflow import Stages, named_batch_dims
 from gpipe.loss import check_loss_arguments, microbatch_weights, normalized, weighted_total
 from gpipe.microbatch import (
     BatchDims,
@@ -37,7 +37,7 @@ from gpipe.microbatch import (
     microbatch_sizes,
     scatter,
 )
-from gpipe.partition import check_balance, check_shared_placement, split_module
+from gpipe.partition import check_balance, split_module
 from gpipe.randomness import draw_step_seed
 from gpipe.runtime.caller import PipelineBackward, backward_into_input, collect_outputs, feed
 from gpipe.runtime.devices import as_devices
@@ -50,6 +50,7 @@ from gpipe.schedule import BACKWARD, FORWARD, Schedule, make_schedule, schedule_
 from gpipe.skip import has_skippables
 from gpipe.skip import stages as skip_stages
 from gpipe.structure import leaves, map_tensors
+from gpipe.tied import TiedParameters
 
 __all__ = ["GPipe"]
 
@@ -131,8 +132,14 @@ class GPipe(nn.Module):
             a list or a name, a device is not a device, name or index, or a flag is not a
             bool.
         ValueError: an inconsistent balance, devices, chunks, checkpoint or schedule, a
-            device this machine does not have (or "meta"), a layer whose parameters two
-            devices would share, or a ``balance`` that differs from the ``Stages``'.
+            device this machine does not have (or "meta"), a layer object or a buffer that
+            stages on two devices would share, or a ``balance`` that differs from the
+            ``Stages``'.
+
+    A Parameter that stages on different devices share (an embedding tied to the head)
+    stays the user's, on the device of the first stage holding it; every other device
+    reads a copy, refreshed from it at each ``pipe(x)`` or ``train_step``, whose gradients
+    are added into its ``.grad``. ``pipe.parameters()`` and ``state_dict()`` hold only it.
     """
 
     def __init__(
@@ -205,17 +212,19 @@ class GPipe(nn.Module):
         # Validate the schedule now, not at the first step; it also places the stages.
         placement = self._schedule_for(self.chunks).placement if balance else ()
 
-        # Refuse a tensor that two devices would share before changing the user's model.
-        check_shared_placement(split_module(module, balance), [self.devices[d] for d in placement])
+        # Refuse a tensor that two devices cannot share before changing the user's model.
+        TiedParameters(split_module(module, balance), placement, self.devices)
         if deferred_batch_norm:
             refuse_reused_batch_norm(module)
             convert_deferred_batch_norm(module)
         self._deferred = [m for m in module.modules() if isinstance(m, DeferredBatchNorm)]
         self._module = [module]  # kept unregistered: the partitions own the layers
         self.partitions = split_module(module, balance)
-        for stage, partition in enumerate(self.partitions):
-            partition.to(self.devices[placement[stage]])
-        self._stages = StageSet(list(self.partitions), self.devices, placement)
+        tied = TiedParameters(self.partitions, placement, self.devices)
+        tied.place(self.partitions)
+        self._stages = StageSet(
+            list(self.partitions), self.devices, placement, tied=tied if len(tied) else None
+        )
         self._transport = LocalTransport(placement, self.devices)
 
     def _init_stages(
@@ -251,18 +260,23 @@ class GPipe(nn.Module):
             )
         self.balance = list(stages.balance)
         placement = self._schedule_for(self.chunks).placement
-        check_shared_devices(list(stages), [self.devices[d] for d in placement])
+        TiedParameters(stages, placement, self.devices)  # refuses before changing anything
         if deferred_batch_norm:
             refuse_reused_batch_norm(stages)
             convert_deferred_batch_norm(stages)
         self._deferred = [m for m in stages.modules() if isinstance(m, DeferredBatchNorm)]
         self._flow = stages
         self.partitions = stages
-        for stage, module in enumerate(stages):
-            module.to(self.devices[placement[stage]])
+        tied = TiedParameters(stages, placement, self.devices)
+        tied.place(stages)
         routes = Routes(stages.dataflow)
         self._stages = StageSet(
-            list(stages), self.devices, placement, routes=routes, balance=stages.balance
+            list(stages),
+            self.devices,
+            placement,
+            routes=routes,
+            balance=stages.balance,
+            tied=tied if len(tied) else None,
         )
         self._transport = LocalTransport(placement, self.devices, routes)
 
@@ -620,9 +634,12 @@ class GPipe(nn.Module):
         return [(s, r) for s, r, _ in self._flow.dataflow.skips() if s >= 0]
 
     def _check_placement(self) -> None:
+        tied = self._stages.tied
         for stage, partition in enumerate(self.partitions):
             device = self._stages.device_of(stage)
             for name, tensor in [*partition.named_parameters(), *partition.named_buffers()]:
+                if tied is not None:  # what the stage reads: a tied Parameter's copy
+                    tensor = tied.read_by(stage, tensor)
                 if tensor.device != device and not (
                     device.type == tensor.device.type and device.index is None
                 ):

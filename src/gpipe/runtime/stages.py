@@ -13,6 +13,7 @@ from torch import nn
 from gpipe.randomness import Streams
 from gpipe.runtime.routes import Routes
 from gpipe.runtime.threads import DeviceThreads
+from gpipe.tied import TiedParameters
 
 __all__ = ["StageSet"]
 
@@ -32,6 +33,8 @@ class StageSet:
         balance: the model units each stage holds, for a dataflow's random streams: a
             stage module without its own per-layer ``positions`` draws from one stream,
             keyed by the position of its first unit.
+        tied: the copies of Parameters that stages on different devices share (see
+            :mod:`gpipe.tied`); None when there are none to keep.
     """
 
     modules: Sequence[nn.Module | None]
@@ -39,6 +42,7 @@ class StageSet:
     placement: tuple[int, ...]
     routes: Routes | None = None
     balance: Sequence[int] | None = None
+    tied: TiedParameters | None = None
     # Whether a stage's forward writes into its input tensors (an in-place op on the input or
     # a view of it, in any layer), per (stage, training mode): such a stage gets a copy of its
     # input. Learned from the first forward, which runs on a copy to be safe (see
@@ -84,6 +88,14 @@ class StageSet:
         if module is None:
             raise RuntimeError(f"stage {stage} is not held by this process")
         return module
+
+    def parameters(self, stage: int) -> list[torch.Tensor]:
+        """The parameters ``stage``'s forward reads: its module's, with this device's copy in
+        place of a tied Parameter whose owner lives on another device."""
+        params: list[torch.Tensor] = list(self.module(stage).parameters())
+        if self.tied is None:
+            return params
+        return [self.tied.read_by(stage, p) for p in params]
 
     def device_of(self, stage: int) -> torch.device:
         """The ``torch.device`` stage ``stage`` runs on."""

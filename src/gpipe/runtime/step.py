@@ -27,6 +27,10 @@ class Step:
     rank of a distributed one (only this rank's device has actions; the others' lists are
     empty, so it runs on the calling thread alone).
 
+    A step starts from the current values of the tied Parameters whose copies other
+    devices read (see :mod:`gpipe.tied`), and each run ends by adding the copies'
+    gradients into those Parameters'.
+
     Args:
         stages: the stage modules and their placement.
         transport: what carries messages between stages; reset for this step.
@@ -38,6 +42,8 @@ class Step:
         self.transport = transport
         self.state = state
         transport.reset()
+        if stages.tied is not None:
+            stages.tied.refresh()
         self._workers = [
             StageWorker(stages, d, transport, state) for d in range(len(stages.devices))
         ]
@@ -85,6 +91,8 @@ class Step:
             raise
         finally:
             self.state.context = None  # NOTE: the step outlives the run: keep no user modes
+            if self.stages.tied is not None:  # a failed run's too: none left for the next
+                self.stages.tied.collect_gradients()
         error, self._error = self._error, None
         if error is not None:
             self.state.saved.clear()

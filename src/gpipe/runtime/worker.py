@@ -451,15 +451,16 @@ class StageWorker:
     def _trainable(self, stage: int) -> list[torch.Tensor]:
         """The stage's parameters that take gradients, listed once per step."""
         if stage not in self._trainables:
-            module = self.stages.module(stage)
-            self._trainables[stage] = [p for p in module.parameters() if p.requires_grad]
+            params = self.stages.parameters(stage)
+            self._trainables[stage] = [p for p in params if p.requires_grad]
         return self._trainables[stage]
 
     def _param_storages(self, stage: int) -> set[int]:
         """Where the stage's parameters and buffers live: not activations, never counted."""
         if stage not in self._params:
             module = self.stages.module(stage)
-            self._params[stage] = storage_keys([*module.parameters(), *module.buffers()])
+            params = self.stages.parameters(stage)
+            self._params[stage] = storage_keys([*params, *module.buffers()])
         return self._params[stage]
 
     def _record(self, action: Action, start_ns: int, memory: int | None = None) -> None:
