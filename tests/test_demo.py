@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -126,3 +127,13 @@ def test_demo_options_of_the_wrong_form_exit_2(
         main(["demo", *argv])
     assert exit_.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_demo_refuses_an_unwritable_output_folder_before_training(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    began = time.perf_counter()
+    # /proc refuses new folders even to root, so the check cannot pass by privilege
+    assert main(["demo", "--out", "/proc/gpipe-demo-out"]) == 2
+    assert time.perf_counter() - began < 5  # refused before the 250 default steps train
+    assert "cannot write to --out /proc/gpipe-demo-out" in capsys.readouterr().err

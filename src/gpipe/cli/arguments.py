@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import argparse
 import math
+import tempfile
 from collections.abc import Callable
+from pathlib import Path
 
 __all__ = [
     "CommandError",
     "choices_list",
     "costs",
+    "ensure_writable",
     "non_negative_float",
     "positive_float",
     "positive_int",
@@ -28,6 +31,28 @@ __all__ = [
 
 class CommandError(Exception):
     """A bad input found after parsing; ``gpipe`` prints it as one error line, exit code 2."""
+
+
+def ensure_writable(folder: Path, option: str = "--out") -> None:
+    """Make ``folder`` and write a scratch file in it, before any long work starts.
+
+    NOTE: the demo and the report write their files at the end; without this check a folder
+    that cannot be written fails only after minutes of training.
+
+    Raises:
+        CommandError: the folder cannot be made or written, naming it and the reason.
+    """
+    if folder.exists() and not folder.is_dir():
+        raise CommandError(f"{option} {folder} is a file: give a folder")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as error:
+        reason = error.strerror or str(error)
+        raise CommandError(
+            f"cannot write to {option} {folder}: {reason}; pass a folder you can write to"
+        ) from None
 
 
 def positive_int(text: str) -> int:

@@ -7,7 +7,13 @@ import importlib.util
 from pathlib import Path
 
 from gpipe.checkpoint import CHECKPOINT_MODES
-from gpipe.cli.arguments import CommandError, positive_int, schedule_names, seed
+from gpipe.cli.arguments import (
+    CommandError,
+    ensure_writable,
+    positive_int,
+    schedule_names,
+    seed,
+)
 
 __all__ = ["add_arguments", "run"]
 
@@ -78,6 +84,7 @@ def run(args: argparse.Namespace) -> int:
                 "without --distributed"
             )
         stages = args.distributed
+    ensure_writable(args.out)
     from gpipe.demo import DemoSettings, run_demo
 
     settings = DemoSettings(

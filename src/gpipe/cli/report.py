@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from gpipe.cli.arguments import CommandError, positive_ints
+from gpipe.cli.arguments import CommandError, ensure_writable, positive_ints
 
 __all__ = ["add_arguments", "run"]
 
@@ -42,6 +42,7 @@ def run(args: argparse.Namespace) -> int:
     from gpipe.report.build import write_report
     from gpipe.report.settings import ReportSettings
 
+    ensure_writable(args.out)
     settings = ReportSettings(out=args.out, quick=args.quick, sections=tuple(args.sections))
     try:
         path, results = write_report(settings)
