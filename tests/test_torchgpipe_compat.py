@@ -82,6 +82,13 @@ def test_bad_schedule_or_checkpoint_set_later_is_refused_and_the_old_one_kept() 
     assert pipe._last is not None and pipe._last.state.checkpoint == "never"
 
 
+def test_a_schedule_set_later_that_places_stages_elsewhere_is_refused_with_the_fix() -> None:
+    pipe = GPipe(make_mlp(2), [1, 1, 1, 1], chunks=4, schedule="interleaved", virtual_stages=2)
+    with pytest.raises(ValueError, match=r"build a new GPipe\(\.\.\., schedule='zb-v'\)"):
+        pipe.schedule = "zb-v"
+    assert pipe.schedule == "interleaved"
+
+
 def test_empty_sequential_is_the_identity() -> None:
     pipe = GPipe(nn.Sequential(), [])
     assert len(pipe) == 0 and list(pipe) == [] and pipe.devices == []
