@@ -78,3 +78,15 @@ def test_after_the_last_backward_nothing_is_kept_for_another() -> None:
     assert sorted(step.state.saved) == [(0, 0), (0, 1), (1, 0), (1, 1)]  # kept for another
     y.sum().backward()
     assert step.state.saved == {}  # freed, as a plain graph is
+
+
+def test_a_double_backward_is_refused_instead_of_giving_undifferentiable_gradients() -> None:
+    x = torch.randn(8, 6, dtype=torch.float64, requires_grad=True)
+    model = make_mlp(2)
+    pipe = GPipe(model, [2, 2], chunks=2)
+    with pytest.raises(RuntimeError, match="create_graph=True"):
+        torch.autograd.grad(pipe(x).sum(), x, create_graph=True)  # a gradient penalty's first half
+    model.zero_grad()
+    (gradient,) = torch.autograd.grad(pipe(x).sum(), x)  # the pipe still works afterwards
+    plain = make_mlp(2)
+    assert_close(gradient, torch.autograd.grad(plain(x).sum(), x)[0])

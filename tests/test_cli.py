@@ -285,6 +285,7 @@ def test_bubble_defaults_cover_every_schedule_and_agree_with_formulas(
             "without its batch dimension): RuntimeError: mat1 and mat2",
         ),
         (["plan", "--model", "no_such_module:build"], "No module named 'no_such_module'"),
+        (["plan", "--sample-shape", "4,5"], "the built-in GPT brings its own token sample"),
         (["plan", "--devices", "cpu,meta", "--no-progress"], "device 'meta' holds no data"),
         (["simulate", "-K", "1000", "-M", "100000"], "use fewer stages or micro-batches"),
         (["bubble", "-M", "4", "10000000"], "use fewer stages or micro-batches"),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 import warnings
 
@@ -177,6 +178,34 @@ def test_a_layer_that_starts_drawing_later_is_caught_and_replayed() -> None:
         assert_close(loss, _expected(4)[0])
         assert_close(grads, _expected(4)[1])
         assert pipe._stages.streams.kind(1, True) in ("routed", "held", "seeded")
+
+
+@pytest.mark.slow
+def test_layers_that_start_drawing_together_on_several_stages_draw_their_own_masks() -> None:
+    """Every dropout raised from 0 at once: stages catch their late drawers concurrently, and
+    none is timed holding the shared generator while another still draws unrouted on it
+    (which drew the other's numbers as its own: about 2 runs in 100 differed)."""
+    x = torch.randn(16, 6, dtype=torch.float64)
+    target = torch.zeros(16, 2, dtype=torch.float64)
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(3):
+        layers += [nn.Linear(6, 6), nn.Dropout(0.0), nn.Tanh()]
+    model = nn.Sequential(*layers, nn.Linear(6, 2)).double()
+
+    def late_drawing_output() -> torch.Tensor:
+        pipe = GPipe(copy.deepcopy(model), [3, 3, 4], chunks=4, checkpoint="always")
+        pipe.train_step(x, target, F.mse_loss)
+        for layer in pipe:
+            if isinstance(layer, nn.Dropout):
+                layer.p = 0.5
+        torch.manual_seed(1)
+        with torch.no_grad():
+            return pipe(x)
+
+    first = late_drawing_output()
+    differing = sum(not torch.equal(late_drawing_output(), first) for _ in range(150))
+    assert differing == 0
 
 
 def test_a_late_drawing_layer_counts_its_saved_bytes_once() -> None:

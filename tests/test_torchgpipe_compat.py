@@ -58,6 +58,37 @@ def test_chunks_set_after_construction_is_used() -> None:
     assert len(pipe.timeline.events[0]) == 4
 
 
+def test_schedule_set_after_a_step_is_the_one_the_next_step_runs() -> None:
+    x, target = torch.randn(8, 6, dtype=torch.float64), torch.randn(8, 6, dtype=torch.float64)
+    pipe = GPipe(make_mlp(2), [2, 2], chunks=4)
+    pipe.train_step(x, target, F.mse_loss)
+    assert pipe.timeline.schedule == "gpipe"
+    pipe.schedule = "1f1b"
+    pipe.train_step(x, target, F.mse_loss)
+    assert pipe.timeline.schedule == "1f1b"
+
+
+def test_bad_schedule_or_checkpoint_set_later_is_refused_and_the_old_one_kept() -> None:
+    pipe = GPipe(make_mlp(2), [2, 2], chunks=4, checkpoint="always")
+    with pytest.raises(ValueError, match="unknown schedule '2f2b'"):
+        pipe.schedule = "2f2b"
+    with pytest.raises(TypeError, match="schedule must be a name"):
+        pipe.schedule = None  # type: ignore[assignment]
+    with pytest.raises(ValueError, match="checkpoint must be one of"):
+        pipe.checkpoint = "sometimes"
+    assert (pipe.schedule, pipe.checkpoint) == ("gpipe", "always")
+    pipe.checkpoint = "never"
+    pipe.train_step(torch.randn(8, 6, dtype=torch.float64), torch.zeros(8, 6), F.mse_loss)
+    assert pipe._last is not None and pipe._last.state.checkpoint == "never"
+
+
+def test_a_schedule_set_later_that_places_stages_elsewhere_is_refused_with_the_fix() -> None:
+    pipe = GPipe(make_mlp(2), [1, 1, 1, 1], chunks=4, schedule="interleaved", virtual_stages=2)
+    with pytest.raises(ValueError, match=r"build a new GPipe\(\.\.\., schedule='zb-v'\)"):
+        pipe.schedule = "zb-v"
+    assert pipe.schedule == "interleaved"
+
+
 def test_empty_sequential_is_the_identity() -> None:
     pipe = GPipe(nn.Sequential(), [])
     assert len(pipe) == 0 and list(pipe) == [] and pipe.devices == []

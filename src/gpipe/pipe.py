@@ -169,8 +169,7 @@ class GPipe(nn.Module):
         if isinstance(module, nn.Sequential) and has_skippables(module):
             # NOTE: so each skip goes straight to the stage popping it.
             module = skip_stages(module, balance)
-        # NOTE: str() as torchgpipe does, so a str-like mode object works; then validated.
-        self.checkpoint = check_checkpoint(str(checkpoint))
+        self.checkpoint = checkpoint
         self.chunks = chunks
         self.input_batch_dims = check_batch_dims(input_batch_dims, "input_batch_dims")
         self.output_batch_dims = check_batch_dims(output_batch_dims, "output_batch_dims")
@@ -317,6 +316,55 @@ class GPipe(nn.Module):
         return balance_by_memory(
             module, microbatch, stages, optimizer=optimizer, kept_microbatches=kept
         )
+
+    @property
+    def checkpoint(self) -> str:
+        """Which micro-batches re-materialize: "always", "except_last" or "never"; settable."""
+        return self._checkpoint
+
+    @checkpoint.setter
+    def checkpoint(self, value: str) -> None:
+        # NOTE: str() as torchgpipe does, so a str-like mode object works; then validated.
+        self._checkpoint = check_checkpoint(str(value))
+
+    @property
+    def schedule(self) -> str | Schedule:
+        """The schedule ``train_step`` runs (a name or a Schedule); settable between steps.
+
+        Raises:
+            TypeError: neither a name nor a :class:`~gpipe.schedule.Schedule`.
+            ValueError: a schedule that does not fit the pipe (checked when set).
+        """
+        return self._schedule
+
+    @schedule.setter
+    def schedule(self, value: str | Schedule) -> None:
+        if not isinstance(value, (str, Schedule)):
+            raise TypeError(
+                f"schedule must be a name such as '1f1b' or a gpipe.schedule.Schedule, "
+                f"got {type(value).__name__}"
+            )
+        built = self.__dict__.get("_schedules")
+        if built is None:  # __init__: checked once the stages are known
+            self._schedule = value
+            return
+        placement = self._stages.placement if built else None
+        previous = self._schedule
+        # NOTE: the schedules built so far follow the old value; a stale one would keep
+        # running silently, so they go, and the new value is checked now, not at a step.
+        self._schedule, self._schedules = value, {}
+        try:
+            if self.partitions:
+                self._schedules[self.chunks] = schedule_for(
+                    value,
+                    len(self.devices),
+                    self.chunks,
+                    virtual_stages=self.virtual_stages,
+                    placement=placement,
+                )
+        except Exception:
+            self._schedule, self._schedules = previous, built
+            raise
 
     @property
     def chunks(self) -> int:

@@ -174,6 +174,12 @@ def _load_model(
     import torch
 
     if spec is None:
+        if sample_shape is not None:
+            raise CommandError(
+                "--sample-shape is for a --model factory that returns only a model; the "
+                "built-in GPT brings its own token sample: drop --sample-shape, or pass "
+                "--model mypkg.models:build"
+            )
         from gpipe.models import GPTConfig, gpt, gpt_loss, synthetic_tokens
 
         config = GPTConfig(layers=4)
@@ -194,6 +200,11 @@ def _load_model(
     except Exception as error:
         raise CommandError(f"--model {spec}: {path}.{name}() raised {_describe(error)}") from None
     if isinstance(made, tuple) and len(made) == 2:
+        if sample_shape is not None:
+            raise CommandError(
+                f"{spec} returns a (model, sample) pair, so --sample-shape would be ignored: "
+                "drop --sample-shape, or return only the model"
+            )
         model, sample = made
         where = f"the sample {spec} returns"
     else:

@@ -74,6 +74,9 @@ class Streams:
         # CPU seconds of their routed runs, and the CPU and wall seconds of their held runs.
         self._trials: dict[tuple[LayerKey, bool], tuple[list[float], list[tuple[float, float]]]]
         self._trials = {}
+        # Layers found drawing by a redo (they started drawing after a probe): timed only
+        # from a later step on, keyed to the step seed they were found in (see _probe).
+        self._deferred: dict[tuple[LayerKey, bool], int] = {}
         self._warned: set[Any] = set()
 
     def kind(self, key: LayerKey, training: bool) -> str | None:
@@ -195,6 +198,10 @@ class StageForward:
             return self._probe(key, seed)
         if kind == HELD:
             return self._held(seed)
+        deferred = self._streams._deferred.get((key, self._training))
+        if deferred is not None and deferred != self._step_seed:
+            del self._streams._deferred[key, self._training]
+            self._streams._trials[key, self._training] = ([], [])
         if (key, self._training) in self._streams._trials:
             return self._trial(key, seed)
         return self._routed(seed)
@@ -253,7 +260,14 @@ class StageForward:
             kind = SEEDED if own_after != own else PLAIN
         else:
             kind = ROUTED
-            self._streams._trials[key, self._training] = ([], [])  # or held: see _trial
+            if self._probe_all:
+                # NOTE: found by a redo: other stages' layers may also have started drawing
+                # unrouted, right now, on the shared generator, and a held run beside them
+                # would draw their numbers as its own (silently different masks), so no
+                # held trial until a later step.
+                self._streams._deferred[key, self._training] = self._step_seed
+            else:
+                self._streams._trials[key, self._training] = ([], [])  # or held: see _trial
         self._streams._learn(key, self._training, kind, self._stage)
 
     @contextmanager

@@ -136,6 +136,13 @@ class PipelineBackward(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grad_outputs: torch.Tensor | None) -> Any:
         ctx.saved_tensors  # noqa: B018 -- raises autograd's own error on a second backward
+        if torch.is_grad_enabled():  # NOTE: in a backward, grad mode is on iff create_graph
+            raise RuntimeError(
+                "backward with create_graph=True (a double backward, e.g. a gradient "
+                "penalty) does not go through a GPipe: each stage runs its own backward "
+                "on its worker, outside your graph, so the gradients would silently not "
+                "be differentiable; compute such a term on the plain model"
+            )
         step, backward, microbatches, inputs, masks, differentiable = ctx.meta
         retain = _retains_graph()
         if not retain:

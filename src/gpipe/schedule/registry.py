@@ -120,7 +120,8 @@ def schedule_for(
         raise ValueError(
             f"schedule {schedule.name!r} for {microbatches} micro-batches places "
             f"the stages on devices {schedule.placement}, but the pipe holds them "
-            f"on {placement}"
+            f"on {placement}: build a new GPipe(..., schedule={schedule.name!r}) to place "
+            "them so"
         )
     validate(schedule)
     return schedule
