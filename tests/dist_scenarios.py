@@ -7,6 +7,7 @@ the test process asserts on numbers that could fail.
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Callable
 from typing import Any
@@ -295,3 +296,23 @@ def timeline_on_one_rank() -> Any:
     if dist.get_rank() == 0:
         return {"makespan": pipe.timeline.makespan}
     return {"asked": False}
+
+
+def loss_dtype(dp: int) -> Any:
+    """A float32 model's loss and gradient norm on every rank, beside plain training's."""
+    torch.manual_seed(0)
+    plain = nn.Sequential(*[nn.Linear(4, 4) for _ in range(4)])
+    model = copy.deepcopy(plain)
+    pipe = gd.DistributedGPipe(model, balance=[2, 2], chunks=2, dp_size=dp)
+    x, y = torch.randn(6, 4), torch.randn(6, 4)
+    loss = pipe.train_step(x, y, nn.functional.mse_loss)
+    reference = nn.functional.mse_loss(plain(x), y)
+    reference.backward()
+    norm = pipe.clip_grad_norm_(0.5)
+    plain_norm = nn.utils.clip_grad_norm_(plain.parameters(), 0.5)
+    return {
+        "dtype": str(loss.dtype),
+        "diff": float((loss.double() - reference.detach().double()).abs()),
+        "norm_dtype": str(norm.dtype),
+        "norm_diff": float((norm.double() - plain_norm.double()).abs()),
+    }

@@ -203,3 +203,12 @@ def test_torchrun_launches_a_training_script_that_matches_plain_training(tmp_pat
         result = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
         assert result["world"] == 2
         assert result["loss"] < 1e-12 and result["weight"] < 1e-12, result
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_the_loss_and_norm_come_back_in_the_models_dtype_on_every_rank(world: int) -> None:
+    # both were float64 on every rank for a float32 model, so assert_close against plain
+    # training failed on dtype
+    for result in check(launch("dist_scenarios:loss_dtype", world, dp=world // 2)):
+        assert result["dtype"] == result["norm_dtype"] == "torch.float32", result
+        assert result["diff"] < 1e-6 and result["norm_diff"] < 1e-5, result

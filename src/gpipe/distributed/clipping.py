@@ -53,6 +53,11 @@ def clip_grad_norm_(
             f"the total norm of order {norm_type} of the gradients is {total.item()}, so "
             "they cannot be clipped; pass error_if_nonfinite=False to clip anyway"
         )
+    # NOTE: combined in float64, returned in the parameters' dtype as torch's is (a float32
+    # model's norm compared with torch's must not fail on dtype).
+    floating = [p for p in parameters if p.is_floating_point()]
+    dtype = floating[0].dtype if floating else torch.get_default_dtype()
+    total = total.to(dtype)
     with_grads = [p for p in parameters if p.grad is not None]
     if with_grads:
         total = total.to(with_grads[0].device)

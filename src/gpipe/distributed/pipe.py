@@ -70,6 +70,7 @@ __all__ = ["DistributedGPipe", "close_all"]
 _COUNTER = itertools.count()
 _LINKS: dict[tuple[int, ...], tuple[float, float]] = {}
 _OPEN: weakref.WeakSet[DistributedGPipe] = weakref.WeakSet()
+_LOSS_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 
 
 def close_all() -> bool:
@@ -369,18 +370,24 @@ class DistributedGPipe(nn.Module):
             self._tied.sum_gradients(self._wait)
             if microbatches is not None:
                 backward_into_input(step, microbatches, self._holds)
-            value = torch.zeros((), dtype=torch.float64)
+            # NOTE: summed and sent in float64 for precision, with the loss's own dtype code
+            # beside it, so every rank returns the dtype plain training returns.
+            value = torch.zeros(2, dtype=torch.float64)
             if loss is not None:
-                value = weighted_total(loss.weights, step.state.losses).double().cpu()
+                total_loss = weighted_total(loss.weights, step.state.losses)
+                value[0] = total_loss.detach().double().cpu()
                 if self.layout.dp > 1:
                     self._collective(
                         lambda: dist.all_reduce(value, group=self.groups.replicas, async_op=True)
                     )
+                if total_loss.dtype in _LOSS_DTYPES:
+                    value[1] = _LOSS_DTYPES.index(total_loss.dtype)
             source = self._rank_of(self._stages.last)
             self._collective(
                 lambda: dist.broadcast(value, source, self.groups.control, async_op=True)
             )
-            return value.to(self.torch_device)
+            dtype = _LOSS_DTYPES[int(value[1])]
+            return value[0].to(device=self.torch_device, dtype=dtype)
 
     @torch.no_grad()
     def eval_step(
