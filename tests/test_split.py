@@ -205,3 +205,25 @@ def test_split_leaf_type_keeps_data_dependent_control_flow_inside() -> None:
     stages = gpipe.split(model, ["gate", "last"], example_inputs=args, leaf_modules=[Gate])
     for x in (args[0], -args[0].abs() * 10):  # both branches
         assert_close(stages(x), model(x))
+
+
+def test_split_traces_a_mask_built_from_a_traced_length_with_varargs_sizes() -> None:
+    """``torch.ones(t, t)`` with ``t = x.shape[1]``: plain torch.fx raises TypeError on it."""
+
+    class Causal(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            t = x.shape[1]
+            mask = torch.ones(t, t, dtype=x.dtype).tril() + torch.zeros(t, t, dtype=x.dtype)
+            h = self.a(x)
+            return self.b(mask @ h)
+
+    torch.manual_seed(0)
+    model = Causal().double()
+    x = torch.randn(2, 5, 4, dtype=torch.float64)
+    stages = gpipe.split(model, ["b"], example_inputs=(x,))
+    assert_close(stages(x), model(x))
+    assert torch.ones(2, 3).shape == (2, 3)  # torch's own factory is put back

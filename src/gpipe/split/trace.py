@@ -26,11 +26,14 @@ tracer proxies buffers, which follows it.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import inspect
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import fx, nn
 
 from gpipe.split.errors import untraceable
@@ -90,6 +93,38 @@ class _Tracer(fx.Tracer):
             if not hasattr(error, "_gpipe_module"):
                 error._gpipe_module = (self.path_of_module(m), type(m))  # type: ignore[attr-defined]
             raise
+
+
+# Factories whose size may be given as several positional ints: torch.ones(t, t).
+_SIZED_FACTORIES = ("ones", "zeros", "empty", "rand", "randn")
+
+
+def _sizes_as_tuple(factory: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(factory)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if len(args) > 1 and any(isinstance(a, fx.Proxy) for a in args):
+            return factory(tuple(args), **kwargs)
+        return factory(*args, **kwargs)
+
+    return call
+
+
+@contextlib.contextmanager
+def _traceable_factories() -> Iterator[None]:
+    """Let ``torch.ones(t, t)`` take traced lengths while tracing.
+
+    NOTE: torch.fx records ``torch.ones((t, t))`` but raises TypeError on ``torch.ones(t, t)``
+    with ``t = x.shape[1]`` (the varargs overload does not dispatch on a Proxy), a common way
+    to build a causal mask; packing the sizes into one tuple is the same call.
+    """
+    originals = {name: getattr(torch, name) for name in _SIZED_FACTORIES}
+    try:
+        for name, factory in originals.items():
+            setattr(torch, name, _sizes_as_tuple(factory))
+        yield
+    finally:
+        for name, factory in originals.items():
+            setattr(torch, name, factory)
 
 
 def _leaf_spec(
@@ -177,7 +212,8 @@ def trace(
     given, concrete = _concrete_args(model, args, kwargs)
     tracer = _Tracer(names, types)
     try:
-        graph = tracer.trace(model, concrete_args=concrete or None)
+        with _traceable_factories():
+            graph = tracer.trace(model, concrete_args=concrete or None)
     except Exception as error:
         module, module_type = getattr(error, "_gpipe_module", ("", type(model)))
         raise untraceable(error, module, module_type if module else None) from error
