@@ -546,9 +546,13 @@ class GPipe(nn.Module):
     def close(self) -> None:
         """End the pipe's worker threads now instead of when the pipe is garbage collected.
 
-        A later step starts them again.
+        A later step starts them again. A Parameter tied across devices is read by every
+        module that holds it again, not by the pipe's copy (see :mod:`gpipe.tied`), so the
+        model called directly after ``close()`` computes what plain PyTorch would.
         """
         self._stages.threads.close()
+        if self._stages.tied is not None:
+            self._stages.tied.release()
 
     # -- pieces ------------------------------------------------------------------------
 
