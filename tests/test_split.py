@@ -118,6 +118,16 @@ def test_split_mask_kwarg_goes_from_the_input_to_every_stage() -> None:
     assert all(("mask", INPUT) in taken for taken in stages.dataflow.takes)
 
 
+def test_split_takes_every_example_input_by_name_in_a_dict() -> None:
+    model, (args, kwargs) = make_gpt()
+    named = dict(zip(["idx"], args)) | kwargs
+    stages = gpipe.split(model, ["h.1", "h.3"], example_inputs=named)
+    assert stages.dataflow.inputs == ("idx", "mask")
+    assert_close(stages(*args, **kwargs), model(*args, **kwargs))
+    with pytest.raises(TypeError, match="already holds the keyword inputs"):
+        gpipe.split(model, ["h.1"], example_inputs=named, example_kwargs=kwargs)
+
+
 def test_split_kwarg_left_out_is_baked_in_as_its_default() -> None:
     model, (args, _) = make_gpt()
     stages = gpipe.split(model, ["h.2"], example_inputs=args)

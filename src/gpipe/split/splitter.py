@@ -20,7 +20,7 @@ __all__ = ["split"]
 def split(
     model: nn.Module,
     split_points: Sequence[str] | None = None,
-    example_inputs: Sequence[Any] = (),
+    example_inputs: Sequence[Any] | Mapping[str, Any] = (),
     example_kwargs: Mapping[str, Any] | None = None,
     balance: Sequence[int] | str | None = None,
     num_stages: int | None = None,
@@ -46,7 +46,8 @@ def split(
         split_points: qualified submodule names (as in ``model.named_modules()``), in the
             order the model runs them; a stage begins at each (torch pipelining's
             ``SplitPoint.BEGINNING``). None: cut by ``balance``.
-        example_inputs: positional inputs of one example call (one micro-batch is enough).
+        example_inputs: positional inputs of one example call (one micro-batch is enough),
+            or a dict of every input by name (``{"idx": idx, "attention_mask": mask}``).
         example_kwargs: keyword inputs of that call (``attention_mask``, ``position_ids``);
             forward arguments given in neither keep their defaults, baked into the trace.
         balance: with no split points, how to cut: a list of units per stage (a unit is a
@@ -73,6 +74,13 @@ def split(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"gpipe.split cuts an nn.Module, got {type(model).__name__}")
+    if isinstance(example_inputs, Mapping):  # every input by name: {"idx": idx, "mask": m}
+        if example_kwargs:
+            raise TypeError(
+                "example_inputs given by name (a dict) already holds the keyword inputs; "
+                f"put {sorted(example_kwargs)} into it instead of example_kwargs"
+            )
+        example_inputs, example_kwargs = (), dict(example_inputs)
     if isinstance(example_inputs, (torch.Tensor, str)) or not isinstance(example_inputs, Sequence):
         raise TypeError(
             "example_inputs is the tuple of positional inputs, e.g. example_inputs=(idx,); got "
