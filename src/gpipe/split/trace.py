@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import operator
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -239,9 +240,26 @@ def _name_placeholders(
     found: dict[str, fx.Node] = {}
     for node, name in zip(nodes, names):
         if name in concrete:
+            _drop_guards(graph, node)
             if node.users:
                 raise RuntimeError(f"the default of {name!r} is still read by {list(node.users)}")
             graph.erase_node(node)
         else:
             found[name] = node
     return found
+
+
+def _drop_guards(graph: fx.Graph, node: fx.Node) -> None:
+    """Erase fx's guard that a default baked into the trace keeps its value.
+
+    NOTE: for a default other than None (``scale=1.0``, ``use_cache=False``) fx adds
+    ``torch._assert(arg == default)``; the argument is no input of the stages, so the guard
+    would read a value nobody passes.
+    """
+    for user in list(node.users):
+        if user.op == "call_function" and user.target is operator.eq:
+            for guard in list(user.users):
+                if guard.op == "call_function" and guard.target is torch._assert:
+                    graph.erase_node(guard)
+            if not user.users:
+                graph.erase_node(user)
