@@ -237,3 +237,42 @@ def test_split_traces_a_mask_built_from_a_traced_length_with_varargs_sizes() -> 
     stages = gpipe.split(model, ["b"], example_inputs=(x,))
     assert_close(stages(x), model(x))
     assert torch.ones(2, 3).shape == (2, 3)  # torch's own factory is put back
+
+
+class _Flagged(nn.Module):
+    """A forward steered by flags, as Hugging Face models are (``return_dict``, ``mask=None``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        return_dict: bool = False,
+        repeat: int = 1,
+        scale: float = 1.0,
+    ) -> Any:
+        h = self.a(x)
+        if mask is not None:
+            h = h * mask
+        for _ in range(repeat):
+            h = self.b(h)
+        h = h * scale
+        return {"h": h} if return_dict else h
+
+
+def test_split_bakes_in_flags_the_example_call_gives_and_refuses_to_change_them() -> None:
+    torch.manual_seed(0)
+    model = _Flagged().double()
+    x = torch.randn(4, 4, dtype=torch.float64)
+    flags = {"mask": None, "return_dict": True, "repeat": 2}
+    stages = gpipe.split(model, ["b"], example_inputs=(x,), example_kwargs=flags | {"scale": 3.0})
+    assert stages.dataflow.inputs == ("x", "scale")  # a float stays an input
+    assert stages.constants == flags
+    expected = model(x, **flags, scale=0.5)["h"]
+    assert_close(stages(x, scale=0.5)["h"], expected)
+    assert_close(stages(x, None, True, 2, 0.5)["h"], expected)  # positionally, as forward
+    with pytest.raises(ValueError, match=r"traced with return_dict=True.*gpipe\.split again"):
+        stages(x, return_dict=False, scale=0.5)

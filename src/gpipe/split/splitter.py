@@ -49,7 +49,9 @@ def split(
         example_inputs: positional inputs of one example call (one micro-batch is enough),
             or a dict of every input by name (``{"idx": idx, "attention_mask": mask}``).
         example_kwargs: keyword inputs of that call (``attention_mask``, ``position_ids``);
-            forward arguments given in neither keep their defaults, baked into the trace.
+            forward arguments given in neither keep their defaults, baked into the trace,
+            and so are flag-like values given (``return_dict=True``, an int, ``None``):
+            a call of the pipe may repeat them, but not change them.
         balance: with no split points, how to cut: a list of units per stage (a unit is a
             top-level child, or one block of a top-level ``nn.ModuleList``/``Sequential``),
             or ``"time"``/``"memory"`` to measure the units on the example and balance them
@@ -104,7 +106,8 @@ def split(
     elif isinstance(balance, str):
         if num_stages is None:
             raise ValueError(f"balance={balance!r} needs num_stages=K: how many stages to make")
-        inputs = dict(zip(traced.inputs, example_inputs)) | kwargs
+        inputs = dict(zip(traced.call_order, example_inputs)) | kwargs
+        inputs = {name: value for name, value in inputs.items() if name in traced.inputs}
         units = measured_balance(model, traced, inputs, balance, num_stages)
         cuts = cut_by_balance(model, traced.graph, units)
     elif balance is not None:
@@ -122,4 +125,6 @@ def split(
         dataflow,
         balance=cuts.balance,
         devices=None if devices is None else [torch.device(d) for d in devices],
+        constants=traced.constants,
+        call_order=traced.call_order,
     )

@@ -31,7 +31,7 @@ import functools
 import inspect
 import operator
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -54,12 +54,18 @@ class Traced:
             (arguments the call left at their defaults are baked in, not inputs).
         placeholders: the graph's placeholder node for each input name.
         leaves: the qualified names of the submodules called as a whole.
+        constants: the arguments the example call gave flag-like values (``True``, an
+            int, ``None``, a string), baked into the trace like defaults.
+        call_order: every argument the example call gave, inputs and constants, in the
+            forward's order (how positional arguments line up).
     """
 
     graph: fx.Graph
     inputs: tuple[str, ...]
     placeholders: dict[str, fx.Node]
     leaves: frozenset[str]
+    constants: dict[str, Any] = field(default_factory=dict)
+    call_order: tuple[str, ...] = ()
 
 
 class _Tracer(fx.Tracer):
@@ -177,12 +183,32 @@ def _concrete_args(
             "by their own names, or wrap the model in a module whose forward names them"
         )
     given = [name for name in signature.parameters if name in bound.arguments]
-    concrete = {
+    # NOTE: a flag (a bool, an int, None, a string) is baked in like a default: as a traced
+    # input, `if return_dict:` would fail and `if mask is not None:` take the wrong branch.
+    constants = {
+        name: bound.arguments[name] for name in given if is_constant(bound.arguments[name])
+    }
+    given = [name for name in given if name not in constants]
+    concrete = constants | {
         p.name: p.default
         for p in signature.parameters.values()
         if p.name not in bound.arguments and p.name not in variadic
     }
     return given, concrete
+
+
+# NOTE: what steers control flow or sizes is baked in (`if return_dict:`, `range(n)`); a
+# float stays a traced input (a `scale` may change from call to call, and arithmetic on it
+# traces).
+_CONSTANT_TYPES = (bool, int, str, type(None), torch.dtype, torch.device)
+
+
+def is_constant(value: Any) -> bool:
+    """Whether ``value`` is a flag-like Python value the trace bakes in (a bool, an int,
+    None, a string, a dtype or device, or a tuple of them), not a traced input."""
+    if isinstance(value, tuple | list):
+        return all(is_constant(item) for item in value)
+    return isinstance(value, _CONSTANT_TYPES)
 
 
 def trace(
@@ -195,7 +221,8 @@ def trace(
 
     Args:
         model: the model.
-        args: example positional inputs (their values are not used, only their count).
+        args: example positional inputs (only flag-like values among them are used: they
+            are baked in, see :attr:`Traced.constants`).
         kwargs: example keyword inputs; forward arguments not given keep their defaults.
         leaf_modules: submodule names or classes to call as a whole (besides torch.nn's own
             layers, which torch.fx never traces into).
@@ -211,6 +238,8 @@ def trace(
     """
     names, types = _leaf_spec(model, leaf_modules)
     given, concrete = _concrete_args(model, args, kwargs)
+    bound = inspect.signature(model.forward).bind(*args, **kwargs).arguments
+    constants = {name: value for name, value in bound.items() if name not in given}
     tracer = _Tracer(names, types)
     try:
         with _traceable_factories():
@@ -219,7 +248,17 @@ def trace(
         module, module_type = getattr(error, "_gpipe_module", ("", type(model)))
         raise untraceable(error, module, module_type if module else None) from error
     placeholders = _name_placeholders(graph, model, given, concrete)
-    return Traced(graph, tuple(given), placeholders, frozenset(tracer.called_leaves))
+    call_order = tuple(
+        name for name in inspect.signature(model.forward).parameters if name in bound
+    )
+    return Traced(
+        graph,
+        tuple(given),
+        placeholders,
+        frozenset(tracer.called_leaves),
+        constants,
+        call_order,
+    )
 
 
 def _name_placeholders(
