@@ -62,7 +62,7 @@ from gpipe.runtime.routes import Routes
 from gpipe.runtime.stages import StageSet
 from gpipe.runtime.state import Loss, StepState
 from gpipe.runtime.step import Step
-from gpipe.schedule import FORWARD, Action, Schedule, schedule_for
+from gpipe.schedule import FORWARD, Action, Schedule, check_virtual_stages, schedule_for
 from gpipe.skip import has_skippables
 from gpipe.skip import stages as skip_stages
 from gpipe.structure import map_tensors
@@ -163,6 +163,7 @@ class DistributedGPipe(nn.Module):
         if flow is None:
             check_model(module, "DistributedGPipe")
         check_virtual(virtual_stages)
+        check_virtual_stages(schedule, virtual_stages)
         check_balance_type(balance)
         for name, flag in [("zero", zero), ("track_memory", track_memory)]:
             check_flag(name, flag)
