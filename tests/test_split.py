@@ -276,3 +276,32 @@ def test_split_bakes_in_flags_the_example_call_gives_and_refuses_to_change_them(
     assert_close(stages(x, None, True, 2, 0.5)["h"], expected)  # positionally, as forward
     with pytest.raises(ValueError, match=r"traced with return_dict=True.*gpipe\.split again"):
         stages(x, return_dict=False, scale=0.5)
+
+
+class _HFMask(nn.Module):
+    """Builds its mask as Hugging Face models do: filled with torch.finfo(x.dtype).min."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.norm, self.b = nn.Linear(4, 4), nn.BatchNorm1d(5), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = x.shape[1]
+        fill = torch.finfo(x.dtype).min
+        mask = torch.full((t, t), fill, dtype=x.dtype, device=x.device).triu(1)
+        h = self.norm(self.a(x))
+        return self.b((h.transpose(1, 2) @ (mask.softmax(-1))).transpose(1, 2))
+
+
+def test_split_traces_torch_finfo_of_a_traced_dtype_and_leaves_the_model_as_it_was() -> None:
+    torch.manual_seed(0)
+    model = _HFMask().double()
+    x = torch.randn(3, 5, 4, dtype=torch.float64)
+    before = {name: buffer.clone() for name, buffer in model.named_buffers()}
+    state = torch.random.get_rng_state()
+    stages = gpipe.split(model, ["b"], example_inputs=(x,))
+    for name, buffer in model.named_buffers():  # the example ran, but the stats did not move
+        assert torch.equal(buffer, before[name]), name
+    assert torch.equal(torch.random.get_rng_state(), state)
+    model.eval()
+    assert_close(stages(x), model(x))

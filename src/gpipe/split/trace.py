@@ -38,6 +38,7 @@ import torch
 from torch import fx, nn
 
 from gpipe.split.errors import untraceable
+from gpipe.split.shadow import Shadow, finfo_of_traced_dtypes, kept_buffers
 
 __all__ = ["Traced", "trace"]
 
@@ -69,17 +70,37 @@ class Traced:
 
 
 class _Tracer(fx.Tracer):
-    """torch.fx's tracer, with the user's leaves, proxied buffers, and blame on failure."""
+    """torch.fx's tracer, with the user's leaves, proxied buffers, blame on failure, and the
+    example run alongside (see :mod:`gpipe.split.shadow`)."""
 
     # NOTE: a buffer sliced by a traced length (GPT-2's causal `bias[:T, :T]`) needs the
     # buffer to be a graph value too; plain fx hands the real tensor to the slice and fails.
     proxy_buffer_attributes = True
 
-    def __init__(self, names: set[str], types: tuple[type[nn.Module], ...]) -> None:
+    def __init__(
+        self, names: set[str], types: tuple[type[nn.Module], ...], shadow: Shadow | None = None
+    ) -> None:
         super().__init__()
         self._leaf_names = names
         self._leaf_types = types
         self.called_leaves: set[str] = set()
+        self.shadow = shadow
+        self._shadowing = False  # running the example: modules and attributes act as usual
+
+    def create_node(self, *args: Any, **kwargs: Any) -> fx.Node:
+        node = super().create_node(*args, **kwargs)
+        if self.shadow is not None and not self._shadowing:
+            self._shadowing = True
+            try:
+                self.shadow.record(node)
+            finally:
+                self._shadowing = False
+        return node
+
+    def getattr(self, attr: str, attr_val: Any, parameter_proxy_cache: dict[str, Any]) -> Any:
+        if self._shadowing:
+            return attr_val
+        return super().getattr(attr, attr_val, parameter_proxy_cache)
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         if module_qualified_name in self._leaf_names or isinstance(m, self._leaf_types):
@@ -93,6 +114,8 @@ class _Tracer(fx.Tracer):
     def call_module(
         self, m: nn.Module, forward: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
+        if self._shadowing:
+            return forward(*args, **kwargs)
         try:
             return super().call_module(m, forward, args, kwargs)
         except Exception as error:
@@ -240,9 +263,10 @@ def trace(
     given, concrete = _concrete_args(model, args, kwargs)
     bound = inspect.signature(model.forward).bind(*args, **kwargs).arguments
     constants = {name: value for name, value in bound.items() if name not in given}
-    tracer = _Tracer(names, types)
+    shadow = Shadow(model, dict(bound) | concrete)
+    tracer = _Tracer(names, types, shadow)
     try:
-        with _traceable_factories():
+        with _traceable_factories(), finfo_of_traced_dtypes(shadow), kept_buffers(model):
             graph = tracer.trace(model, concrete_args=concrete or None)
     except Exception as error:
         module, module_type = getattr(error, "_gpipe_module", ("", type(model)))
