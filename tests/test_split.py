@@ -305,3 +305,16 @@ def test_split_traces_torch_finfo_of_a_traced_dtype_and_leaves_the_model_as_it_w
     assert torch.equal(torch.random.get_rng_state(), state)
     model.eval()
     assert_close(stages(x), model(x))
+
+
+def test_split_balance_counts_the_blocks_of_a_nested_module_list_as_units() -> None:
+    """Hugging Face nests its blocks (GPT-2's ``transformer.h``): each block is a unit."""
+    from gpipe.models import GPT2Config, gpt2
+
+    model = gpt2(GPT2Config(n_layer=4), seed=0).double()
+    idx = torch.randint(0, 64, (2, 8))
+    stages = gpipe.split(model, balance=[4, 2, 3], example_inputs=(idx,))
+    assert stages.balance == [4, 2, 3]  # wte, wpe, drop, h.0 | h.1, h.2 | h.3, ln_f, lm_head
+    assert_close(stages(idx), model(idx))
+    timed = gpipe.split(model, balance="time", num_stages=3, example_inputs=(idx,))
+    assert len(timed) == 3 and sum(timed.balance) == 9

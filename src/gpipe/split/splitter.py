@@ -53,7 +53,8 @@ def split(
             and so are flag-like values given (``return_dict=True``, an int, ``None``):
             a call of the pipe may repeat them, but not change them.
         balance: with no split points, how to cut: a list of units per stage (a unit is a
-            top-level child, or one block of a top-level ``nn.ModuleList``/``Sequential``),
+            top-level child, one block of an ``nn.ModuleList``/``Sequential``, or a child of
+            a module holding one, such as GPT-2's ``transformer``),
             or ``"time"``/``"memory"`` to measure the units on the example and balance them
             into ``num_stages`` stages.
         num_stages: how many stages ``balance="time"``/``"memory"`` makes.
