@@ -67,3 +67,47 @@ def parity(runs: list[tuple[str, int, str]], chunks: int, size: int, tied: bool)
         results[f"{schedule}/{virtual}/{checkpoint}"] = diffs
         pipe.close()
     return results
+
+
+def skippable_sequential(schedule: str, virtual_stages: int) -> Any:
+    """A torchgpipe-style Sequential with a skip from the first layer to the last, on
+    DistributedGPipe: differences from plain training, and the skip transfers seen."""
+    import copy
+
+    from torch import nn
+
+    from gpipe.skip import pop, skippable, stash
+
+    @skippable(stash=["skip"])
+    class Keep(nn.Linear):
+        def forward(self, x: torch.Tensor) -> Any:
+            yield stash("skip", x)
+            return super().forward(x)
+
+    @skippable(pop=["skip"])
+    class AddBack(nn.Linear):
+        def forward(self, x: torch.Tensor) -> Any:
+            skip = yield pop("skip")
+            return super().forward(x) + skip
+
+    torch.manual_seed(0)
+    model = nn.Sequential(Keep(5, 5), nn.Tanh(), nn.Linear(5, 5), AddBack(5, 5)).double()
+    plain = copy.deepcopy(model)
+    x = torch.randn(8, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    target = torch.randn(8, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    balance = [2, 2] if virtual_stages == 1 else [1, 1, 1, 1]
+    pipe = gd.DistributedGPipe(
+        model, balance, chunks=4, schedule=schedule, virtual_stages=virtual_stages
+    )
+    loss = pipe.train_step(x, target, F.mse_loss)
+    expected = F.mse_loss(plain(x), target)
+    expected.backward()
+    grads = [
+        _diff(mine.grad, theirs.grad)
+        for mine, theirs in zip(model.parameters(), plain.parameters())
+        if mine.grad is not None
+    ]
+    last = len(balance) - 1
+    skips = sum(1 for t in pipe.timeline.transfers if {t.sender, t.stage} == {0, last} and last > 1)
+    pipe.close()
+    return {"loss": _diff(loss, expected), "grad": max(grads), "held": len(grads), "skips": skips}

@@ -342,3 +342,11 @@ def test_exception_in_a_stage_propagates_without_hang_and_next_step_works(
     assert_close(loss, expected_loss)
     for param, expected in zip(model.parameters(), expected_grads):
         assert_close(param.grad, expected)
+
+
+def test_zb_v_without_virtual_stages_says_to_pass_two_not_to_add_devices() -> None:
+    model = nn.Sequential(*[nn.Linear(2, 2) for _ in range(4)])
+    with pytest.raises(
+        ValueError, match=r"'zb-v' holds 2 stages per device: pass virtual_stages=2"
+    ):
+        GPipe(model, balance=[1, 1, 1, 1], devices=["cpu"] * 2, chunks=4, schedule="zb-v")

@@ -6,6 +6,8 @@ import inspect
 import textwrap
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gpipe.analysis import Costs, search, simulate
 from gpipe.schedule import greedy, make_schedule, round_robin, v_shape, validate
@@ -14,13 +16,14 @@ from test_schedule import unit_time_picture
 EQUAL = Costs(forward=1, backward=1, weight=1)
 
 
-def fitting_named(k: int, m: int, v: int, costs: Costs, limit: float) -> list[float]:
+def fitting_named(k: int, m: int, v: int, costs: Costs, limit: float | list[float]) -> list[float]:
     """Makespans of the named schedules with auto's placement that fit ``limit``."""
     names = ["gpipe", "1f1b", "zb-h1", "zb-h2"] if v == 1 else ["zb-v"]
+    limits = limit if isinstance(limit, list) else [limit] * k
     spans = []
     for name in names:
         timeline = simulate(make_schedule(name, k, m, virtual_stages=v), costs)
-        if max(timeline.peak_memory) <= limit:
+        if all(peak <= most + 1e-9 for peak, most in zip(timeline.peak_memory, limits)):
             spans.append(timeline.makespan)
     return spans
 
@@ -46,6 +49,43 @@ def test_auto_is_never_slower_than_the_best_named_schedule_that_fits(costs, limi
         assert max(timeline.peak_memory) <= limit
         named = fitting_named(4, m, 1, costs, limit)
         assert timeline.makespan <= min(named, default=float("inf")) + 1e-9, (m, named)
+
+
+@st.composite
+def cases(draw: st.DrawFn) -> tuple[int, int, int, Costs, list[float]]:
+    """A pipeline shape, per-stage costs and activation sizes, and a per-device limit."""
+    v = draw(st.sampled_from([1, 2]))
+    k, m = draw(st.integers(1, 4)), draw(st.integers(1, 9))
+    count = k * v
+    times = st.lists(st.sampled_from([0.5, 1.0, 1.5, 2.0, 3.0]), min_size=count, max_size=count)
+    costs = Costs(
+        forward=draw(times),
+        backward=draw(times),
+        weight=draw(st.lists(st.sampled_from([0.0, 0.5, 1.0]), min_size=count, max_size=count)),
+        transfer=draw(st.sampled_from([0.0, 0.25, 1.0])),
+        activation_bytes=draw(st.lists(st.integers(1, 3), min_size=count, max_size=count)),
+    )
+    limits = draw(st.lists(st.integers(2, 8 * k), min_size=k, max_size=k))
+    return k, m, v, costs, [float(limit) for limit in limits]
+
+
+@settings(max_examples=60, deadline=None)
+@given(cases())
+def test_auto_under_random_costs_and_limits_fits_and_beats_every_named_schedule_that_fits(
+    case: tuple[int, int, int, Costs, list[float]],
+) -> None:
+    k, m, v, costs, limits = case
+    named = fitting_named(k, m, v, costs, limits)
+    try:
+        schedule = search(k, m, virtual_stages=v, costs=costs, memory_limit=limits)
+    except ValueError as error:
+        assert not named, (named, error)  # refused only when no named schedule fits either
+        assert "no schedule fits" in str(error)
+        return
+    validate(schedule)
+    timeline = simulate(schedule, costs)
+    assert all(peak <= most + 1e-9 for peak, most in zip(timeline.peak_memory, limits))
+    assert timeline.makespan <= min(named, default=float("inf")) + 1e-9
 
 
 @pytest.mark.parametrize("k", [2, 3, 4, 6])

@@ -172,7 +172,7 @@ def test_stages_in_order_equal_the_plain_model_with_every_gradient(balance: list
 def test_stages_refuse_what_is_not_a_paired_sequential() -> None:
     with pytest.raises(TypeError, match=r"cuts an nn.Sequential, got Linear.*gpipe.split"):
         stages(nn.Linear(1, 1), [1])  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match="no later layer pops it"):
+    with pytest.raises(TypeError, match="as poppable but stashed"):
         stages(nn.Sequential(StashFoo(), Pass()), [1, 1])
     with pytest.raises(ValueError, match=r"balance=\[1, 1\] sums to 2 but the module has 3"):
         stages(nn.Sequential(StashFoo(), Pass(), PopFoo()), [1, 1])

@@ -214,7 +214,7 @@ def test_no_skip_outlives_the_step(checkpoint: str) -> None:
 
 
 def test_unpaired_skips_and_a_measured_balance_are_refused_with_the_fix() -> None:
-    with pytest.raises(TypeError, match="no later layer pops it"):
+    with pytest.raises(TypeError, match="as poppable but stashed"):
         GPipe(nn.Sequential(StashDouble(), nn.Identity()), [1, 1])
     with pytest.raises(ValueError, match=r"balance as a list.*balance_by_params"):
         GPipe(nn.Sequential(StashDouble(), PopAdd()), "time", sample=torch.zeros(2, 3))

@@ -58,29 +58,32 @@ def test_the_same_name_twice_passes_when_each_pair_is_isolated() -> None:
     [
         (
             [StashFoo],
-            [r"layer '0' stashes 'foo', but no later layer pops it: pop it in a later layer"],
+            [r"no module declared 'foo' as poppable but stashed by layer '0': pop it in a later"],
         ),
-        ([PopFoo], [r"layer '0' pops 'foo', but no layer before it stashes it: stash it"]),
+        ([PopFoo], [r"'0' declared 'foo' as poppable but it was not stashed by any layer before"]),
         (
             [PopFoo, StashFoo],
-            ["layer '0' pops 'foo', but no layer before it", "layer '1' stashes 'foo', but no"],
+            ["'0' declared 'foo' as poppable but it was not", "but stashed by layer '1'"],
         ),
         (
             [StashFoo, StashFoo, PopFoo],
-            [r"layer '1' stashes 'foo' again \(layer '0' stashes it first\).*own Namespace"],
+            [r"'1' redeclared 'foo' as stashable.*layer '0' stashes it first.*own Namespace"],
         ),
-        ([StashFoo, PopFoo, PopFoo], [r"layer '2' pops 'foo' again \(layer '1' pops it first\)"]),
+        (
+            [StashFoo, PopFoo, PopFoo],
+            [r"'2' redeclared 'foo' as poppable.*layer '1' pops it first"],
+        ),
         (
             [StashFoo, PopFoo, StashFoo, PopFoo],
-            ["layer '2' stashes 'foo' again", "layer '3' pops 'foo' again"],
+            ["'2' redeclared 'foo' as stashable", "'3' redeclared 'foo' as poppable"],
         ),
-        ([StashPopFoo], [r"layer '0' declares 'foo' both to stash and to pop.*different names"]),
+        ([StashPopFoo], [r"'0' declared 'foo' both as stashable and as poppable.*different names"]),
     ],
 )
 def test_unpaired_stashes_and_pops_are_each_listed_with_the_fix(
     layers: list[type[nn.Module]], messages: list[str]
 ) -> None:
-    with pytest.raises(TypeError, match="do not pair up") as error:
+    with pytest.raises(TypeError, match="pairs of stash and pop do not match") as error:
         verify_skippables(nn.Sequential(*[layer() for layer in layers]))
     for message in messages:
         assert re.search(message, str(error.value)), str(error.value)
@@ -91,13 +94,13 @@ def test_a_pair_split_across_namespaces_names_the_namespace() -> None:
     ns1, ns2 = Namespace(), Namespace()
     with pytest.raises(TypeError) as error:
         verify_skippables(nn.Sequential(StashFoo().isolate(ns1), PopFoo().isolate(ns2)))
-    assert f"pops 'foo' (isolated in {ns2!r}), but no layer before it" in str(error.value)
-    assert f"stashes 'foo' (isolated in {ns1!r}), but no later layer" in str(error.value)
+    assert f"as poppable but it was not stashed (isolated in {ns2!r})" in str(error.value)
+    assert f"as poppable but stashed (isolated in {ns1!r}) by layer '0'" in str(error.value)
 
 
 def test_a_layer_used_twice_counts_at_both_positions() -> None:
     stash = StashFoo()
-    with pytest.raises(TypeError, match="layer '2' stashes 'foo' again"):
+    with pytest.raises(TypeError, match="'2' redeclared 'foo' as stashable"):
         verify_skippables(nn.Sequential(stash, PopFoo(), stash, PopFoo()))
 
 

@@ -118,6 +118,16 @@ def test_split_mask_kwarg_goes_from_the_input_to_every_stage() -> None:
     assert all(("mask", INPUT) in taken for taken in stages.dataflow.takes)
 
 
+def test_split_takes_every_example_input_by_name_in_a_dict() -> None:
+    model, (args, kwargs) = make_gpt()
+    named = dict(zip(["idx"], args)) | kwargs
+    stages = gpipe.split(model, ["h.1", "h.3"], example_inputs=named)
+    assert stages.dataflow.inputs == ("idx", "mask")
+    assert_close(stages(*args, **kwargs), model(*args, **kwargs))
+    with pytest.raises(TypeError, match="already holds the keyword inputs"):
+        gpipe.split(model, ["h.1"], example_inputs=named, example_kwargs=kwargs)
+
+
 def test_split_kwarg_left_out_is_baked_in_as_its_default() -> None:
     model, (args, _) = make_gpt()
     stages = gpipe.split(model, ["h.2"], example_inputs=args)
@@ -205,3 +215,106 @@ def test_split_leaf_type_keeps_data_dependent_control_flow_inside() -> None:
     stages = gpipe.split(model, ["gate", "last"], example_inputs=args, leaf_modules=[Gate])
     for x in (args[0], -args[0].abs() * 10):  # both branches
         assert_close(stages(x), model(x))
+
+
+def test_split_traces_a_mask_built_from_a_traced_length_with_varargs_sizes() -> None:
+    """``torch.ones(t, t)`` with ``t = x.shape[1]``: plain torch.fx raises TypeError on it."""
+
+    class Causal(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            t = x.shape[1]
+            mask = torch.ones(t, t, dtype=x.dtype).tril() + torch.zeros(t, t, dtype=x.dtype)
+            h = self.a(x)
+            return self.b(mask @ h)
+
+    torch.manual_seed(0)
+    model = Causal().double()
+    x = torch.randn(2, 5, 4, dtype=torch.float64)
+    stages = gpipe.split(model, ["b"], example_inputs=(x,))
+    assert_close(stages(x), model(x))
+    assert torch.ones(2, 3).shape == (2, 3)  # torch's own factory is put back
+
+
+class _Flagged(nn.Module):
+    """A forward steered by flags, as Hugging Face models are (``return_dict``, ``mask=None``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        return_dict: bool = False,
+        repeat: int = 1,
+        scale: float = 1.0,
+    ) -> Any:
+        h = self.a(x)
+        if mask is not None:
+            h = h * mask
+        for _ in range(repeat):
+            h = self.b(h)
+        h = h * scale
+        return {"h": h} if return_dict else h
+
+
+def test_split_bakes_in_flags_the_example_call_gives_and_refuses_to_change_them() -> None:
+    torch.manual_seed(0)
+    model = _Flagged().double()
+    x = torch.randn(4, 4, dtype=torch.float64)
+    flags = {"mask": None, "return_dict": True, "repeat": 2}
+    stages = gpipe.split(model, ["b"], example_inputs=(x,), example_kwargs=flags | {"scale": 3.0})
+    assert stages.dataflow.inputs == ("x", "scale")  # a float stays an input
+    assert stages.constants == flags
+    expected = model(x, **flags, scale=0.5)["h"]
+    assert_close(stages(x, scale=0.5)["h"], expected)
+    assert_close(stages(x, None, True, 2, 0.5)["h"], expected)  # positionally, as forward
+    with pytest.raises(ValueError, match=r"traced with return_dict=True.*gpipe\.split again"):
+        stages(x, return_dict=False, scale=0.5)
+
+
+class _HFMask(nn.Module):
+    """Builds its mask as Hugging Face models do: filled with torch.finfo(x.dtype).min."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.norm, self.b = nn.Linear(4, 4), nn.BatchNorm1d(5), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = x.shape[1]
+        fill = torch.finfo(x.dtype).min
+        mask = torch.full((t, t), fill, dtype=x.dtype, device=x.device).triu(1)
+        h = self.norm(self.a(x))
+        return self.b((h.transpose(1, 2) @ (mask.softmax(-1))).transpose(1, 2))
+
+
+def test_split_traces_torch_finfo_of_a_traced_dtype_and_leaves_the_model_as_it_was() -> None:
+    torch.manual_seed(0)
+    model = _HFMask().double()
+    x = torch.randn(3, 5, 4, dtype=torch.float64)
+    before = {name: buffer.clone() for name, buffer in model.named_buffers()}
+    state = torch.random.get_rng_state()
+    stages = gpipe.split(model, ["b"], example_inputs=(x,))
+    for name, buffer in model.named_buffers():  # the example ran, but the stats did not move
+        assert torch.equal(buffer, before[name]), name
+    assert torch.equal(torch.random.get_rng_state(), state)
+    model.eval()
+    assert_close(stages(x), model(x))
+
+
+def test_split_balance_counts_the_blocks_of_a_nested_module_list_as_units() -> None:
+    """Hugging Face nests its blocks (GPT-2's ``transformer.h``): each block is a unit."""
+    from gpipe.models import GPT2Config, gpt2
+
+    model = gpt2(GPT2Config(n_layer=4), seed=0).double()
+    idx = torch.randint(0, 64, (2, 8))
+    stages = gpipe.split(model, balance=[4, 2, 3], example_inputs=(idx,))
+    assert stages.balance == [4, 2, 3]  # wte, wpe, drop, h.0 | h.1, h.2 | h.3, ln_f, lm_head
+    assert_close(stages(idx), model(idx))
+    timed = gpipe.split(model, balance="time", num_stages=3, example_inputs=(idx,))
+    assert len(timed) == 3 and sum(timed.balance) == 9

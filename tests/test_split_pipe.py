@@ -93,3 +93,36 @@ def test_split_dropout_draws_the_same_masks_whatever_the_cuts() -> None:
     four = _dropout_gradients(["h.1", "h.2", "h.3"], "gpipe")
     for a, b in zip(two, four):
         assert_close(a, b)
+
+
+class _DictOut(nn.Module):
+    """Returns a dict, and has a non-None default its callers rarely pass."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor, scale: float = 2.0) -> dict[str, torch.Tensor]:
+        h = self.a(x)
+        return {"out": self.c(self.b(h) + h) * scale, "feat": h}
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+def test_a_dict_output_gathers_under_autograd_and_a_default_stays_baked_in(
+    checkpoint: str,
+) -> None:
+    torch.manual_seed(0)
+    model = _DictOut().double()
+    plain = copy.deepcopy(model)
+    x = torch.randn(8, 4, dtype=torch.float64)
+    stages = gpipe.split(model, ["b", "c"], example_inputs=(x[:2],))  # scale=2.0 not given
+    assert stages.dataflow.inputs == ("x",)
+    pipe = gpipe.GPipe(stages, chunks=4, schedule="1f1b", checkpoint=checkpoint)
+    output = pipe(x)
+    assert type(output) is dict and list(output) == ["out", "feat"]
+    (output["out"].sum() + output["feat"].pow(2).sum()).backward()
+    expected = plain(x)
+    (expected["out"].sum() + expected["feat"].pow(2).sum()).backward()
+    assert_close(output["out"], expected["out"])
+    for mine, theirs in zip(model.parameters(), plain.parameters()):
+        assert_close(mine.grad, theirs.grad)

@@ -167,6 +167,31 @@ def test_two_momentum_steps_through_the_pipe_equal_two_plain_steps(apart: None) 
     assert torch.equal(replica, model[0].weight)
 
 
+def test_after_close_the_model_reads_its_own_tied_parameter_and_the_pipe_still_trains(
+    apart: None,
+) -> None:
+    """Closing hands the tie back: the model called directly after an optimizer step must not
+    read the copy of the last step; the next step shadows the owner again."""
+    model, plain = tiny_gpt(), tiny_gpt()
+    pipe = GPipe(model, [2, 4], chunks=4, schedule="1f1b")
+    mine = torch.optim.SGD(pipe.parameters(), lr=0.5)
+    theirs = torch.optim.SGD(plain.parameters(), lr=0.5)
+    idx, target = batch(seed=0)
+    for _ in range(2):
+        assert_close(pipe.train_step(idx, target, lm_loss), plain_step(plain, idx, target))
+        mine.step()
+        theirs.step()
+        mine.zero_grad()
+        theirs.zero_grad()
+        pipe.close()
+        assert model[5].weight is model[0].weight
+        with torch.no_grad():
+            assert_close(model(idx), plain(idx))
+    assert_close(pipe.train_step(idx, target, lm_loss), plain_step(plain, idx, target))
+    assert_same_gradients(model, plain)
+    assert model[5].weight is copy_of(pipe)
+
+
 def test_a_write_through_data_reaches_the_copy_at_the_next_forward(apart: None) -> None:
     """``p.data`` writes bump no version counter: the copy is compared, not trusted."""
     model, plain = tiny_gpt(), tiny_gpt()

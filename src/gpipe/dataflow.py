@@ -163,6 +163,10 @@ class Stages(nn.ModuleList):
         balance: how many of the model's units (layers, blocks) each stage holds, as the
             ``balance`` of the Sequential path.
         devices: where each stage runs, when the splitter was told; None lets the pipe choose.
+        constants: arguments of the model's forward baked into the stages (plain Python
+            values the example call gave); a call may pass them again, with the same value.
+        call_order: the names positional arguments fill, in order (inputs and constants);
+            by default the dataflow's inputs.
 
     Raises:
         ValueError: the module count, the dataflow and the balance disagree.
@@ -174,6 +178,8 @@ class Stages(nn.ModuleList):
         dataflow: Dataflow,
         balance: Sequence[int] | None = None,
         devices: Sequence[torch.device] | None = None,
+        constants: Mapping[str, Any] | None = None,
+        call_order: Sequence[str] | None = None,
     ) -> None:
         super().__init__(modules)
         if len(modules) != dataflow.count:
@@ -183,6 +189,8 @@ class Stages(nn.ModuleList):
         if len(self.balance) != len(modules):
             raise ValueError(f"balance {self.balance} for {len(modules)} stages")
         self.devices = None if devices is None else [torch.device(d) for d in devices]
+        self.constants = dict(constants or {})
+        self.call_order = tuple(call_order or dataflow.inputs)
 
     def bind(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """The named input values of a call ``model(*args, **kwargs)``.
@@ -194,15 +202,22 @@ class Stages(nn.ModuleList):
             TypeError: an argument is missing, given twice, or unknown.
         """
         names = self.dataflow.inputs
-        if len(args) > len(names):
+        if len(args) > len(self.call_order):
             raise TypeError(f"{len(args)} positional inputs given; the stages take {names}")
-        bound = dict(zip(names, args))
+        bound = dict(zip(self.call_order, args))
         for name, value in kwargs.items():
-            if name not in names:
+            if name not in names and name not in self.constants:
                 raise TypeError(f"unknown input {name!r}; the stages take {names}")
             if name in bound:
                 raise TypeError(f"input {name!r} given twice")
             bound[name] = value
+        for name, baked in self.constants.items():
+            if name in bound and not _same(bound.pop(name), baked):
+                raise ValueError(
+                    f"the stages were traced with {name}={baked!r}, which is baked into them; "
+                    f"pass that value (or leave it out), or call gpipe.split again with the "
+                    f"{name} you want in example_kwargs"
+                )
         missing = [name for name in names if name not in bound]
         if missing:
             raise TypeError(f"inputs {missing} missing; the stages take {names}")
@@ -240,10 +255,26 @@ class Stages(nn.ModuleList):
             modules.append(relay(module, flow.inputs, flow.takes[stage], stage, carried))
         first = tuple((name, INPUT) for name in flow.inputs)
         takes = (first, *(((_RELAY, stage - 1),) for stage in range(1, count)))
-        return Stages(modules, Dataflow(flow.inputs, takes), self.balance, self.devices)
+        return Stages(
+            modules,
+            Dataflow(flow.inputs, takes),
+            self.balance,
+            self.devices,
+            self.constants,
+            self.call_order,
+        )
 
 
 _RELAY = "relayed"
+
+
+def _same(given: Any, baked: Any) -> bool:
+    """Whether a value passed for a baked-in argument is the one baked in."""
+    if isinstance(given, torch.Tensor) or type(given) is not type(baked):
+        return False
+    if isinstance(given, tuple | list):
+        return len(given) == len(baked) and all(map(_same, given, baked))
+    return bool(given == baked)
 
 
 def _layered(module: nn.Module) -> bool:

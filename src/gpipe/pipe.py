@@ -46,7 +46,14 @@ from gpipe.runtime.routes import Routes
 from gpipe.runtime.stages import StageSet
 from gpipe.runtime.state import Loss, StepState
 from gpipe.runtime.step import Step
-from gpipe.schedule import BACKWARD, FORWARD, Schedule, make_schedule, schedule_for
+from gpipe.schedule import (
+    BACKWARD,
+    FORWARD,
+    Schedule,
+    check_virtual_stages,
+    make_schedule,
+    schedule_for,
+)
 from gpipe.skip import has_skippables
 from gpipe.skip import stages as skip_stages
 from gpipe.structure import leaves, map_tensors
@@ -161,6 +168,7 @@ class GPipe(nn.Module):
     ) -> None:
         super().__init__()
         check_virtual(virtual_stages)
+        check_virtual_stages(schedule, virtual_stages)
         check_balance_type(balance)
         if not isinstance(module, Stages):
             check_model(module, "GPipe")
@@ -594,9 +602,13 @@ class GPipe(nn.Module):
     def close(self) -> None:
         """End the pipe's worker threads now instead of when the pipe is garbage collected.
 
-        A later step starts them again.
+        A later step starts them again. A Parameter tied across devices is read by every
+        module that holds it again, not by the pipe's copy (see :mod:`gpipe.tied`), so the
+        model called directly after ``close()`` computes what plain PyTorch would.
         """
         self._stages.threads.close()
+        if self._stages.tied is not None:
+            self._stages.tied.release()
 
     # -- pieces ------------------------------------------------------------------------
 

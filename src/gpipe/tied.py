@@ -103,6 +103,7 @@ class TiedParameters:
             if elsewhere:
                 self._ties.append((owner, elsewhere))
         self._copies: list[_Copy] = []
+        self._released = False  # see release()
         self._by_stage: dict[int, dict[int, nn.Parameter]] = {}  # see _index
 
     def __getstate__(self) -> dict[str, object]:
@@ -173,6 +174,18 @@ class TiedParameters:
                 self._copies.append(_Copy(owner, replica, holders, owner._version))
         self._index()
 
+    def release(self) -> None:
+        """Give the user's modules back their tie: every holder reads the owner again.
+
+        NOTE: after ``pipe.close()`` the user may call the model directly (to evaluate it);
+        a holder still shadowed by its copy would read the values of the last step, not the
+        owner's after the optimizer stepped it. The next :meth:`refresh` shadows them again.
+        """
+        for copy in self._copies:
+            for holder in copy.holders:
+                holder.module.__dict__.pop(holder.name, None)
+        self._released = True
+
     def read_by(self, stage: int, tensor: torch.Tensor) -> torch.Tensor:
         """What ``stage`` reads for ``tensor``: its device's copy of a tied Parameter."""
         return self._by_stage.get(stage, {}).get(id(tensor), tensor)
@@ -185,6 +198,11 @@ class TiedParameters:
         NOTE: an unchanged copy is left alone, so a graph that saved it (``pipe(x)`` twice,
         then both backwards) is still valid, as it would be in plain PyTorch.
         """
+        if self._released:
+            for copy in self._copies:
+                for holder in copy.holders:
+                    holder.module.__dict__[holder.name] = copy.replica
+            self._released = False
         with torch.no_grad():
             for copy in self._copies:
                 owner, replica = copy.owner, copy.replica

@@ -62,7 +62,9 @@ from gpipe.runtime.routes import Routes
 from gpipe.runtime.stages import StageSet
 from gpipe.runtime.state import Loss, StepState
 from gpipe.runtime.step import Step
-from gpipe.schedule import FORWARD, Action, Schedule, schedule_for
+from gpipe.schedule import FORWARD, Action, Schedule, check_virtual_stages, schedule_for
+from gpipe.skip import has_skippables
+from gpipe.skip import stages as skip_stages
 from gpipe.structure import map_tensors
 
 __all__ = ["DistributedGPipe", "close_all"]
@@ -162,6 +164,7 @@ class DistributedGPipe(nn.Module):
         if flow is None:
             check_model(module, "DistributedGPipe")
         check_virtual(virtual_stages)
+        check_virtual_stages(schedule, virtual_stages)
         check_balance_type(balance)
         for name, flag in [("zero", zero), ("track_memory", track_memory)]:
             check_flag(name, flag)
@@ -190,6 +193,11 @@ class DistributedGPipe(nn.Module):
         self.torch_device = default_device()
         pp = self.layout.pp
         stages = pp * virtual_stages
+        if flow is None and has_skippables(module) and stages <= len(module):
+            # NOTE: as GPipe does, so each skip goes straight to the rank popping it; run as
+            # a chain, a rank would pop a skip stashed on another rank and find nothing.
+            flow = skip_stages(module, check_balance(module, _balance(module, balance, stages)))
+            module, balance = flow, None  # type: ignore[assignment]  # the Stages path below
         self._flow = flow
         self._routes = None if flow is None else Routes(flow.dataflow)
         self.balance: list[int]

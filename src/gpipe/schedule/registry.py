@@ -11,7 +11,7 @@ from gpipe.schedule.schedule import Schedule
 from gpipe.schedule.validate import validate
 from gpipe.schedule.zero_bubble import zb_h1, zb_h2, zb_v
 
-__all__ = ["SCHEDULES", "make_schedule", "schedule_for"]
+__all__ = ["SCHEDULES", "check_virtual_stages", "make_schedule", "schedule_for"]
 
 Generator = Callable[..., Schedule]
 
@@ -61,13 +61,9 @@ def make_schedule(
             + (f"; it takes {', '.join(map(repr, known))}" if known else "")
             + " (only 'auto' takes costs and memory_limit)"
         )
+    check_virtual_stages(name, virtual_stages)
     fixed = getattr(generator, "virtual_stages", None)
     if fixed is not None:
-        if virtual_stages != fixed:
-            raise ValueError(
-                f"schedule {name!r} holds {fixed} stages per device: pass "
-                f"virtual_stages={fixed} (and {fixed} balance entries per device)"
-            )
         return generator(stages, microbatches, **options)
     if getattr(generator, "virtual", False):
         return generator(stages, microbatches, virtual_stages=virtual_stages, **options)
@@ -77,6 +73,27 @@ def make_schedule(
             f"'zb-v' for virtual_stages={virtual_stages}"
         )
     return generator(stages, microbatches, **options)
+
+
+def check_virtual_stages(schedule: str | Schedule, virtual_stages: int) -> None:
+    """Refuse ``virtual_stages`` other than the named schedule's own (zb-v: 2).
+
+    NOTE: a pipe calls it before checking balance against devices, whose message would
+    otherwise ask for more devices when the fix is ``virtual_stages=2``.
+
+    Raises:
+        ValueError: the schedule holds a fixed number of stages per device, and not this.
+    """
+    fixed = (
+        getattr(SCHEDULES.get(schedule), "virtual_stages", None)
+        if isinstance(schedule, str)
+        else None
+    )
+    if fixed is not None and virtual_stages != fixed:
+        raise ValueError(
+            f"schedule {schedule!r} holds {fixed} stages per device: pass "
+            f"virtual_stages={fixed} (and {fixed} balance entries per device)"
+        )
 
 
 def schedule_for(

@@ -41,13 +41,15 @@ def verify_skippables(module: nn.Sequential) -> None:
     stashed_by: dict[SkipKey, str] = {}
     popped_by: dict[SkipKey, str] = {}
     problems: list[str] = []
+    # NOTE: each problem begins with torchgpipe's own sentence for it, so code (and tests)
+    # written against torchgpipe's messages still match; the fix follows.
     for layer_name, layer in module._modules.items():
         if not isinstance(layer, Skippable):
             continue
         both = set(layer.stashable_names) & set(layer.poppable_names)
         for name in sorted(both):
             problems.append(
-                f"layer {layer_name!r} declares {name!r} both to stash and to pop: a layer "
+                f"'{layer_name}' declared '{name}' both as stashable and as poppable: a layer "
                 "needs no skip to reach itself; give the stash and the pop different names"
             )
         for key in layer.stashable():
@@ -55,9 +57,9 @@ def verify_skippables(module: nn.Sequential) -> None:
                 continue
             if key in stashed_by:
                 problems.append(
-                    f"layer {layer_name!r} stashes {describe(key)} again (layer "
-                    f"{stashed_by[key]!r} stashes it first): rename one, or isolate each "
-                    "stash-pop pair in its own Namespace, e.g. "
+                    f"'{layer_name}' redeclared '{key[1]}' as stashable but not isolated by "
+                    f"namespace{_within(key)}: layer '{stashed_by[key]}' stashes it first; "
+                    "rename one, or isolate each stash-pop pair in its own Namespace, e.g. "
                     "`ns = Namespace(); Stash().isolate(ns), ..., Pop().isolate(ns)`"
                 )
             else:
@@ -67,27 +69,34 @@ def verify_skippables(module: nn.Sequential) -> None:
                 continue
             if key in popped_by:
                 problems.append(
-                    f"layer {layer_name!r} pops {describe(key)} again (layer "
-                    f"{popped_by[key]!r} pops it first): a skip is popped once; rename one, "
-                    "or isolate each stash-pop pair in its own Namespace"
+                    f"'{layer_name}' redeclared '{key[1]}' as poppable but not isolated by "
+                    f"namespace{_within(key)}: layer '{popped_by[key]}' pops it first, and a "
+                    "skip is popped once; rename one, or isolate each stash-pop pair in its "
+                    "own Namespace"
                 )
             elif key not in stashed_by:
                 problems.append(
-                    f"layer {layer_name!r} pops {describe(key)}, but no layer before it "
-                    "stashes it: stash it in an earlier layer (@skippable(stash=[...]) and "
-                    "`yield stash(name, value)`), in the same Namespace"
+                    f"'{layer_name}' declared '{key[1]}' as poppable but it was not stashed"
+                    f"{_within(key)} by any layer before it: stash it in an earlier layer "
+                    "(@skippable(stash=[...]) and `yield stash(name, value)`), in the same "
+                    "Namespace"
                 )
             else:
                 popped_by[key] = layer_name
     for key, layer_name in stashed_by.items():
         if key not in popped_by:
             problems.append(
-                f"layer {layer_name!r} stashes {describe(key)}, but no later layer pops it: "
-                "pop it in a later layer (@skippable(pop=[...]) and `value = yield pop(name)`)"
-                ", in the same Namespace, or stop stashing it"
+                f"no module declared '{key[1]}' as poppable but stashed{_within(key)} by layer "
+                f"'{layer_name}': pop it in a later layer (@skippable(pop=[...]) and "
+                "`value = yield pop(name)`), in the same Namespace, or stop stashing it"
             )
     if problems:
         raise TypeError(
-            "the stashes and pops of this nn.Sequential do not pair up:\n\n"
-            + "\n".join(f"* {problem}" for problem in problems)
+            "one or more pairs of stash and pop do not match (the stashes and pops of this "
+            "nn.Sequential do not pair up):\n\n" + "\n".join(f"* {problem}" for problem in problems)
         )
+
+
+def _within(key: SkipKey) -> str:
+    """`` (isolated in <ns>)`` for a skip in a Namespace, else nothing."""
+    return "" if key[0] is None else f" (isolated in {key[0]!r})"

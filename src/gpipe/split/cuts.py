@@ -3,8 +3,10 @@ the cuts that split points or a balance put before them.
 
 A *unit* is what a balance counts and what keys a random stream: each top-level child of
 the model, except that a container child (``nn.ModuleList``, ``nn.Sequential``) counts
-each of its children (GPT-2's ``h.0``, ``h.1``, ...). A split point inside a unit splits that
-unit into its children, so a cut always falls at a unit's start.
+each of its children (``h.0``, ``h.1``, ...), and a child holding a container counts its
+own children so (GPT-2's ``transformer.wte``, ..., ``transformer.h.0``, ...). A split
+point inside a unit splits that unit into its children, so a cut always falls at a unit's
+start.
 """
 
 from __future__ import annotations
@@ -45,12 +47,7 @@ def _compute(graph: fx.Graph) -> list[fx.Node]:
 
 def units_of(model: nn.Module, split_points: Sequence[str] = ()) -> list[str]:
     """The candidate units, in registration order, refined so each split point is a unit."""
-    units: list[str] = []
-    for name, child in model.named_children():
-        if isinstance(child, _CONTAINERS) and len(child) > 0:
-            units += [f"{name}.{sub}" for sub, _ in child.named_children()]
-        else:
-            units.append(name)
+    units = _units_under(model, "")
     for point in split_points:
         while point not in units:
             inside = [u for u in units if point.startswith(u + ".")]
@@ -63,6 +60,22 @@ def units_of(model: nn.Module, split_points: Sequence[str] = ()) -> list[str]:
             units[at : at + 1] = children or [inside[0]]
             if not children:
                 break
+    return units
+
+
+def _units_under(module: nn.Module, prefix: str) -> list[str]:
+    """The units below ``module``: each child, a container's children, and the children of
+    a child that holds a container (GPT-2's ``transformer`` holding ``h``: ``transformer.wte``,
+    ..., ``transformer.h.0``, ...), as Hugging Face models nest their blocks."""
+    units: list[str] = []
+    for name, child in module.named_children():
+        path = f"{prefix}{name}"
+        if isinstance(child, _CONTAINERS) and len(child) > 0:
+            units += [f"{path}.{sub}" for sub, _ in child.named_children()]
+        elif any(isinstance(c, _CONTAINERS) and len(c) > 0 for c in child.children()):
+            units += _units_under(child, path + ".")
+        else:
+            units.append(path)
     return units
 
 

@@ -20,7 +20,7 @@ __all__ = ["split"]
 def split(
     model: nn.Module,
     split_points: Sequence[str] | None = None,
-    example_inputs: Sequence[Any] = (),
+    example_inputs: Sequence[Any] | Mapping[str, Any] = (),
     example_kwargs: Mapping[str, Any] | None = None,
     balance: Sequence[int] | str | None = None,
     num_stages: int | None = None,
@@ -46,11 +46,15 @@ def split(
         split_points: qualified submodule names (as in ``model.named_modules()``), in the
             order the model runs them; a stage begins at each (torch pipelining's
             ``SplitPoint.BEGINNING``). None: cut by ``balance``.
-        example_inputs: positional inputs of one example call (one micro-batch is enough).
+        example_inputs: positional inputs of one example call (one micro-batch is enough),
+            or a dict of every input by name (``{"idx": idx, "attention_mask": mask}``).
         example_kwargs: keyword inputs of that call (``attention_mask``, ``position_ids``);
-            forward arguments given in neither keep their defaults, baked into the trace.
+            forward arguments given in neither keep their defaults, baked into the trace,
+            and so are flag-like values given (``return_dict=True``, an int, ``None``):
+            a call of the pipe may repeat them, but not change them.
         balance: with no split points, how to cut: a list of units per stage (a unit is a
-            top-level child, or one block of a top-level ``nn.ModuleList``/``Sequential``),
+            top-level child, one block of an ``nn.ModuleList``/``Sequential``, or a child of
+            a module holding one, such as GPT-2's ``transformer``),
             or ``"time"``/``"memory"`` to measure the units on the example and balance them
             into ``num_stages`` stages.
         num_stages: how many stages ``balance="time"``/``"memory"`` makes.
@@ -73,6 +77,13 @@ def split(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"gpipe.split cuts an nn.Module, got {type(model).__name__}")
+    if isinstance(example_inputs, Mapping):  # every input by name: {"idx": idx, "mask": m}
+        if example_kwargs:
+            raise TypeError(
+                "example_inputs given by name (a dict) already holds the keyword inputs; "
+                f"put {sorted(example_kwargs)} into it instead of example_kwargs"
+            )
+        example_inputs, example_kwargs = (), dict(example_inputs)
     if isinstance(example_inputs, (torch.Tensor, str)) or not isinstance(example_inputs, Sequence):
         raise TypeError(
             "example_inputs is the tuple of positional inputs, e.g. example_inputs=(idx,); got "
@@ -96,7 +107,8 @@ def split(
     elif isinstance(balance, str):
         if num_stages is None:
             raise ValueError(f"balance={balance!r} needs num_stages=K: how many stages to make")
-        inputs = dict(zip(traced.inputs, example_inputs)) | kwargs
+        inputs = dict(zip(traced.call_order, example_inputs)) | kwargs
+        inputs = {name: value for name, value in inputs.items() if name in traced.inputs}
         units = measured_balance(model, traced, inputs, balance, num_stages)
         cuts = cut_by_balance(model, traced.graph, units)
     elif balance is not None:
@@ -114,4 +126,6 @@ def split(
         dataflow,
         balance=cuts.balance,
         devices=None if devices is None else [torch.device(d) for d in devices],
+        constants=traced.constants,
+        call_order=traced.call_order,
     )

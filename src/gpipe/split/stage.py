@@ -9,6 +9,7 @@ from contextlib import AbstractContextManager, ExitStack
 from typing import Any
 
 from torch import fx, nn
+from torch.fx.immutable_collections import immutable_dict, immutable_list
 
 from gpipe.dataflow import INPUT, Dataflow
 from gpipe.split.cuts import Cuts
@@ -54,7 +55,23 @@ class SplitStage(nn.Module):
     def forward(self, values: dict[str, Any]) -> Any:
         if self.layer_scope is None:
             return self._code(self, values)
-        return _Scoped(self, self.layer_scope).run(values)
+        return _mutable(_Scoped(self, self.layer_scope).run(values))
+
+
+def _mutable(value: Any) -> Any:
+    """``value`` with fx's immutable dicts and lists as the plain ones the model returned.
+
+    NOTE: an interpreted graph returns its output node's own containers (fx's
+    ``immutable_dict``), the generated code a plain ``dict``; a pipe whose micro-batches ran
+    either way (recomputed or not) would find two output structures.
+    """
+    if isinstance(value, immutable_dict):
+        return {key: _mutable(item) for key, item in value.items()}
+    if isinstance(value, immutable_list):
+        return [_mutable(item) for item in value]
+    if type(value) is tuple:
+        return tuple(_mutable(item) for item in value)
+    return value
 
 
 class _Scoped(fx.Interpreter):

@@ -26,14 +26,19 @@ tracer proxies buffers, which follows it.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import inspect
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+import operator
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import fx, nn
 
 from gpipe.split.errors import untraceable
+from gpipe.split.shadow import Shadow, finfo_of_traced_dtypes, kept_buffers
 
 __all__ = ["Traced", "trace"]
 
@@ -50,26 +55,52 @@ class Traced:
             (arguments the call left at their defaults are baked in, not inputs).
         placeholders: the graph's placeholder node for each input name.
         leaves: the qualified names of the submodules called as a whole.
+        constants: the arguments the example call gave flag-like values (``True``, an
+            int, ``None``, a string), baked into the trace like defaults.
+        call_order: every argument the example call gave, inputs and constants, in the
+            forward's order (how positional arguments line up).
     """
 
     graph: fx.Graph
     inputs: tuple[str, ...]
     placeholders: dict[str, fx.Node]
     leaves: frozenset[str]
+    constants: dict[str, Any] = field(default_factory=dict)
+    call_order: tuple[str, ...] = ()
 
 
 class _Tracer(fx.Tracer):
-    """torch.fx's tracer, with the user's leaves, proxied buffers, and blame on failure."""
+    """torch.fx's tracer, with the user's leaves, proxied buffers, blame on failure, and the
+    example run alongside (see :mod:`gpipe.split.shadow`)."""
 
     # NOTE: a buffer sliced by a traced length (GPT-2's causal `bias[:T, :T]`) needs the
     # buffer to be a graph value too; plain fx hands the real tensor to the slice and fails.
     proxy_buffer_attributes = True
 
-    def __init__(self, names: set[str], types: tuple[type[nn.Module], ...]) -> None:
+    def __init__(
+        self, names: set[str], types: tuple[type[nn.Module], ...], shadow: Shadow | None = None
+    ) -> None:
         super().__init__()
         self._leaf_names = names
         self._leaf_types = types
         self.called_leaves: set[str] = set()
+        self.shadow = shadow
+        self._shadowing = False  # running the example: modules and attributes act as usual
+
+    def create_node(self, *args: Any, **kwargs: Any) -> fx.Node:
+        node = super().create_node(*args, **kwargs)
+        if self.shadow is not None and not self._shadowing:
+            self._shadowing = True
+            try:
+                self.shadow.record(node)
+            finally:
+                self._shadowing = False
+        return node
+
+    def getattr(self, attr: str, attr_val: Any, parameter_proxy_cache: dict[str, Any]) -> Any:
+        if self._shadowing:
+            return attr_val
+        return super().getattr(attr, attr_val, parameter_proxy_cache)
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         if module_qualified_name in self._leaf_names or isinstance(m, self._leaf_types):
@@ -83,6 +114,8 @@ class _Tracer(fx.Tracer):
     def call_module(
         self, m: nn.Module, forward: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
+        if self._shadowing:
+            return forward(*args, **kwargs)
         try:
             return super().call_module(m, forward, args, kwargs)
         except Exception as error:
@@ -90,6 +123,38 @@ class _Tracer(fx.Tracer):
             if not hasattr(error, "_gpipe_module"):
                 error._gpipe_module = (self.path_of_module(m), type(m))  # type: ignore[attr-defined]
             raise
+
+
+# Factories whose size may be given as several positional ints: torch.ones(t, t).
+_SIZED_FACTORIES = ("ones", "zeros", "empty", "rand", "randn")
+
+
+def _sizes_as_tuple(factory: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(factory)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if len(args) > 1 and any(isinstance(a, fx.Proxy) for a in args):
+            return factory(tuple(args), **kwargs)
+        return factory(*args, **kwargs)
+
+    return call
+
+
+@contextlib.contextmanager
+def _traceable_factories() -> Iterator[None]:
+    """Let ``torch.ones(t, t)`` take traced lengths while tracing.
+
+    NOTE: torch.fx records ``torch.ones((t, t))`` but raises TypeError on ``torch.ones(t, t)``
+    with ``t = x.shape[1]`` (the varargs overload does not dispatch on a Proxy), a common way
+    to build a causal mask; packing the sizes into one tuple is the same call.
+    """
+    originals = {name: getattr(torch, name) for name in _SIZED_FACTORIES}
+    try:
+        for name, factory in originals.items():
+            setattr(torch, name, _sizes_as_tuple(factory))
+        yield
+    finally:
+        for name, factory in originals.items():
+            setattr(torch, name, factory)
 
 
 def _leaf_spec(
@@ -141,12 +206,32 @@ def _concrete_args(
             "by their own names, or wrap the model in a module whose forward names them"
         )
     given = [name for name in signature.parameters if name in bound.arguments]
-    concrete = {
+    # NOTE: a flag (a bool, an int, None, a string) is baked in like a default: as a traced
+    # input, `if return_dict:` would fail and `if mask is not None:` take the wrong branch.
+    constants = {
+        name: bound.arguments[name] for name in given if is_constant(bound.arguments[name])
+    }
+    given = [name for name in given if name not in constants]
+    concrete = constants | {
         p.name: p.default
         for p in signature.parameters.values()
         if p.name not in bound.arguments and p.name not in variadic
     }
     return given, concrete
+
+
+# NOTE: what steers control flow or sizes is baked in (`if return_dict:`, `range(n)`); a
+# float stays a traced input (a `scale` may change from call to call, and arithmetic on it
+# traces).
+_CONSTANT_TYPES = (bool, int, str, type(None), torch.dtype, torch.device)
+
+
+def is_constant(value: Any) -> bool:
+    """Whether ``value`` is a flag-like Python value the trace bakes in (a bool, an int,
+    None, a string, a dtype or device, or a tuple of them), not a traced input."""
+    if isinstance(value, tuple | list):
+        return all(is_constant(item) for item in value)
+    return isinstance(value, _CONSTANT_TYPES)
 
 
 def trace(
@@ -159,7 +244,8 @@ def trace(
 
     Args:
         model: the model.
-        args: example positional inputs (their values are not used, only their count).
+        args: example positional inputs (only flag-like values among them are used: they
+            are baked in, see :attr:`Traced.constants`).
         kwargs: example keyword inputs; forward arguments not given keep their defaults.
         leaf_modules: submodule names or classes to call as a whole (besides torch.nn's own
             layers, which torch.fx never traces into).
@@ -175,14 +261,28 @@ def trace(
     """
     names, types = _leaf_spec(model, leaf_modules)
     given, concrete = _concrete_args(model, args, kwargs)
-    tracer = _Tracer(names, types)
+    bound = inspect.signature(model.forward).bind(*args, **kwargs).arguments
+    constants = {name: value for name, value in bound.items() if name not in given}
+    shadow = Shadow(model, dict(bound) | concrete)
+    tracer = _Tracer(names, types, shadow)
     try:
-        graph = tracer.trace(model, concrete_args=concrete or None)
+        with _traceable_factories(), finfo_of_traced_dtypes(shadow), kept_buffers(model):
+            graph = tracer.trace(model, concrete_args=concrete or None)
     except Exception as error:
         module, module_type = getattr(error, "_gpipe_module", ("", type(model)))
         raise untraceable(error, module, module_type if module else None) from error
     placeholders = _name_placeholders(graph, model, given, concrete)
-    return Traced(graph, tuple(given), placeholders, frozenset(tracer.called_leaves))
+    call_order = tuple(
+        name for name in inspect.signature(model.forward).parameters if name in bound
+    )
+    return Traced(
+        graph,
+        tuple(given),
+        placeholders,
+        frozenset(tracer.called_leaves),
+        constants,
+        call_order,
+    )
 
 
 def _name_placeholders(
@@ -203,9 +303,26 @@ def _name_placeholders(
     found: dict[str, fx.Node] = {}
     for node, name in zip(nodes, names):
         if name in concrete:
+            _drop_guards(graph, node)
             if node.users:
                 raise RuntimeError(f"the default of {name!r} is still read by {list(node.users)}")
             graph.erase_node(node)
         else:
             found[name] = node
     return found
+
+
+def _drop_guards(graph: fx.Graph, node: fx.Node) -> None:
+    """Erase fx's guard that a default baked into the trace keeps its value.
+
+    NOTE: for a default other than None (``scale=1.0``, ``use_cache=False``) fx adds
+    ``torch._assert(arg == default)``; the argument is no input of the stages, so the guard
+    would read a value nobody passes.
+    """
+    for user in list(node.users):
+        if user.op == "call_function" and user.target is operator.eq:
+            for guard in list(user.users):
+                if guard.op == "call_function" and guard.target is torch._assert:
+                    graph.erase_node(guard)
+            if not user.users:
+                graph.erase_node(user)
