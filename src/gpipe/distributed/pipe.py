@@ -637,7 +637,9 @@ class DistributedGPipe(nn.Module):
         )
         self._state = state
         step = Step(self._stages, self._transport, state)
-        self._transport.expect(inbound(schedule, self.layout.position, self._routes))
+        self._transport.expect(
+            inbound(schedule, self.layout.position, self._routes), key=(grad, count)
+        )
         if inputs is not None:
             feed(step, inputs, self._holds)
         actions = [
