@@ -390,7 +390,9 @@ def test_host_share_follows_the_placement(monkeypatch: pytest.MonkeyPatch) -> No
 
 
 def test_zero_over_replicas_shards_exactly_the_optimizer_state() -> None:
-    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU())
+    # NOTE: two layers, so two stages have one balance: with a ReLU after each Linear, the
+    # measured times chose [2, 2] in one plan and [1, 3] in the other on a busy machine.
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))
     sample = torch.randn(4, 64)
     kwargs = dict(optimizer="adam", schedules=["1f1b"], chunks=[2], checkpoints=["never"])
     one = quiet_plan(model, sample, 8, 2, **kwargs).best
