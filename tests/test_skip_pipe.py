@@ -17,17 +17,8 @@ from torch import nn
 from torch.nn import functional as F
 from torch.testing import assert_close
 
-import gpipe.pipe
 from gpipe import GPipe
 from gpipe.skip import Namespace, pop, skippable, stash
-
-# NOTE: GPipe runs a skippable Sequential as dataflow Stages, which the runtime takes once
-# the route branch (GPipe accepting Stages) is merged; until then these tests are skipped.
-needs_stages = pytest.mark.skipif(
-    not hasattr(gpipe.pipe, "Stages"), reason="GPipe does not take dataflow Stages yet"
-)
-
-pytestmark = needs_stages
 
 WIDTH = 5
 

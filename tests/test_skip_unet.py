@@ -12,7 +12,6 @@ import pytest
 import torch
 from torch import nn
 
-import gpipe.pipe
 from gpipe.skip import Namespace, pop, skippable, stash  # was: from torchgpipe.skip import ...
 
 
@@ -49,12 +48,6 @@ def unet(depth: int = 3, channels: int = 4) -> nn.Sequential:
     layers.append(nn.Conv2d(width, 1, 1))
     return nn.Sequential(*layers)
 
-
-# NOTE: GPipe runs a skippable Sequential as dataflow Stages, which the runtime takes once
-# the route branch (GPipe accepting Stages) is merged; until then these tests are skipped.
-needs_stages = pytest.mark.skipif(
-    not hasattr(gpipe.pipe, "Stages"), reason="GPipe does not take dataflow Stages yet"
-)
 
 BALANCE = [6, 5, 5, 5]  # four stages; the outer skip crosses three of them
 
@@ -99,7 +92,6 @@ def test_the_unet_cut_into_stages_sends_each_long_skip_straight_to_its_pop() -> 
         torch.testing.assert_close(p.grad, q.grad, msg=name)
 
 
-@needs_stages
 @pytest.mark.parametrize("chunks", [1, 4])
 def test_the_unet_trains_through_gpipe_as_the_plain_model(chunks: int) -> None:
     from gpipe import GPipe  # was: from torchgpipe import GPipe

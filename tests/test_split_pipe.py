@@ -21,19 +21,6 @@ from gpipe.dataflow import Stages
 from split_models import make_encoder_decoder, make_gpt, make_unet
 
 
-def _accepts_stages() -> bool:
-    model, (args, _) = make_unet()
-    stages = gpipe.split(model, ["bottom"], example_inputs=args)
-    try:
-        gpipe.GPipe(stages, chunks=2)
-    except TypeError:
-        return False
-    return True
-
-
-pytestmark = pytest.mark.skipif(not _accepts_stages(), reason="GPipe does not take Stages yet")
-
-
 def _gpt_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(output.reshape(-1, output.size(-1)), target.reshape(-1))
 
