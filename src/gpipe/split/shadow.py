@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import contextlib
 import operator
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
 from torch import fx, nn
 
-__all__ = ["Shadow", "finfo_of_traced_dtypes", "kept_buffers"]
+__all__ = ["Shadow", "finfo_of_traced_dtypes", "kept_buffers", "torch_functions_wrapped"]
 
 _UNKNOWN = object()
 
@@ -89,7 +89,6 @@ def finfo_of_traced_dtypes(shadow: Shadow) -> Iterator[None]:
     stage follows the dtype and device it runs in (``.to(x.dtype)``, ``device=x.device``);
     the numbers finfo gives (a mask's fill value) are those of the example's dtype.
     """
-    originals = {name: getattr(torch, name) for name in ("finfo", "iinfo")}
 
     def concrete(info: Any) -> Any:
         def call(dtype: Any = None) -> Any:
@@ -104,13 +103,21 @@ def finfo_of_traced_dtypes(shadow: Shadow) -> Iterator[None]:
 
         return call
 
+    with torch_functions_wrapped(("finfo", "iinfo"), concrete):
+        yield
+
+
+@contextlib.contextmanager
+def torch_functions_wrapped(names: Iterable[str], wrap: Callable[[Any], Any]) -> Iterator[None]:
+    """Replace ``torch.<name>`` by ``wrap(torch.<name>)`` for the block, and put it back."""
+    originals = {name: getattr(torch, name) for name in names}
     try:
-        for name, info in originals.items():
-            setattr(torch, name, concrete(info))
+        for name, function in originals.items():
+            setattr(torch, name, wrap(function))
         yield
     finally:
-        for name, info in originals.items():
-            setattr(torch, name, info)
+        for name, function in originals.items():
+            setattr(torch, name, function)
 
 
 @contextlib.contextmanager

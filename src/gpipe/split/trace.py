@@ -38,7 +38,12 @@ import torch
 from torch import fx, nn
 
 from gpipe.split.errors import untraceable
-from gpipe.split.shadow import Shadow, finfo_of_traced_dtypes, kept_buffers
+from gpipe.split.shadow import (
+    Shadow,
+    finfo_of_traced_dtypes,
+    kept_buffers,
+    torch_functions_wrapped,
+)
 
 __all__ = ["Traced", "trace"]
 
@@ -147,14 +152,8 @@ def _traceable_factories() -> Iterator[None]:
     with ``t = x.shape[1]`` (the varargs overload does not dispatch on a Proxy), a common way
     to build a causal mask; packing the sizes into one tuple is the same call.
     """
-    originals = {name: getattr(torch, name) for name in _SIZED_FACTORIES}
-    try:
-        for name, factory in originals.items():
-            setattr(torch, name, _sizes_as_tuple(factory))
+    with torch_functions_wrapped(_SIZED_FACTORIES, _sizes_as_tuple):
         yield
-    finally:
-        for name, factory in originals.items():
-            setattr(torch, name, factory)
 
 
 def _leaf_spec(
