@@ -288,6 +288,43 @@ def bad_config(case: str) -> Any:
     return {"error": ""}
 
 
+def settings_changed(case: str) -> Any:
+    """Setting schedule/checkpoint after a step: checked when set, run by the next step, and
+    refused on every rank when the ranks disagree."""
+    me = dist.get_rank()
+    torch.manual_seed(1)
+    x = torch.randn(8, WIDTH, dtype=torch.float64)
+    y = torch.randn(8, WIDTH, dtype=torch.float64)
+    loss_fn = nn.functional.mse_loss
+    model = mlp()
+    pipe = gd.DistributedGPipe(model, chunks=4, schedule="1f1b", checkpoint="always", timeout=30)
+    pipe.train_step(x, y, loss_fn)
+    model.zero_grad()
+    result: dict[str, Any] = {}
+    if case == "bad":
+        for name, value in [("checkpoint", "sometimes"), ("schedule", 3), ("schedule", "zigzag")]:
+            try:
+                setattr(pipe, name, value)
+                result[f"{name}={value!r}"] = ""
+            except (TypeError, ValueError) as error:
+                result[f"{name}={value!r}"] = f"{type(error).__name__}: {error}"
+        result["kept"] = [pipe.schedule, pipe.checkpoint]
+        pipe.close()
+        return result
+    if case == "all" or me == 1:
+        pipe.schedule, pipe.checkpoint = "gpipe", "never"
+    try:
+        loss = pipe.train_step(x, y, loss_fn)
+    except Exception as error:
+        pipe.close()
+        return {"error": f"{type(error).__name__}: {error}"}
+    result = _compare(pipe, model, loss, _reference(mlp, x, y, loss_fn))
+    first = pipe.timeline.events[me][:2]
+    result["ran"] = [pipe._last[1].name if pipe._last else None, [e.kind for e in first]]
+    pipe.close()
+    return result
+
+
 def timeline_on_one_rank() -> Any:
     """Only rank 0 reads ``pipe.timeline`` (a collective): it must fail, naming the fix."""
     pipe = gd.DistributedGPipe(mlp(2), chunks=2, timeout=4)

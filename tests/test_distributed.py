@@ -181,6 +181,32 @@ def test_bad_configurations_fail_on_every_rank_before_any_step(case: str, expect
         assert expected in result["error"], result["error"]
 
 
+def test_schedule_and_checkpoint_set_between_steps_take_effect_on_every_rank() -> None:
+    results = check(launch("dist_scenarios:settings_changed", 2, case="all"))
+    for rank, result in enumerate(results):
+        assert result["loss"] < 1e-12 and result["grad"] < 1e-12, (rank, result)
+        assert result["ran"][0] == "gpipe", result
+    # the last rank tells the schedules apart: GPipe runs F1 after F0 there, 1F1B runs B0
+    assert results[1]["ran"][1] == ["F", "F"], results[1]["ran"]
+
+
+def test_settings_that_differ_between_ranks_fail_every_rank_at_the_next_step() -> None:
+    results = check(launch("dist_scenarios:settings_changed", 2, case="one"))
+    for result in results:
+        assert (
+            "set pipe.schedule, pipe.checkpoint and pipe.chunks alike on every rank"
+            in (result["error"])
+        ), result
+
+
+def test_bad_settings_are_refused_when_set() -> None:
+    result = check(launch("dist_scenarios:settings_changed", 2, case="bad"))[0]
+    assert "ValueError" in result["checkpoint='sometimes'"], result
+    assert "TypeError" in result["schedule=3"], result
+    assert "unknown schedule 'zigzag'" in result["schedule='zigzag'"], result
+    assert result["kept"] == ["1f1b", "always"], result
+
+
 def test_torchrun_launches_a_training_script_that_matches_plain_training(tmp_path: Path) -> None:
     command = [
         sys.executable,

@@ -179,6 +179,12 @@ def wait_for(
         PipelineFailure: a rank reported a failure, or a link broke (its cause named if
             the failing rank reported one within a second).
     """
+    if work.is_completed():  # NOTE: often so (a loss sent long ago): no thread to start
+        try:
+            work.wait()
+        except Exception as error:
+            raise PipelineFailure(_cause(error, faults, failed), rank) from error
+        return
     done = threading.Event()
     broke: list[BaseException] = []
 

@@ -16,6 +16,7 @@ import datetime
 import itertools
 import os
 import weakref
+import zlib
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -36,7 +37,7 @@ from gpipe.checkpoint import check_checkpoint
 from gpipe.dataflow import Stages, named_batch_dims
 from gpipe.distributed.clipping import clip_grad_norm_
 from gpipe.distributed.clock import offsets_to_rank0
-from gpipe.distributed.faults import Failure, FaultChannel, wait_for
+from gpipe.distributed.faults import Failure, FaultChannel, PipelineFailure, wait_for
 from gpipe.distributed.fingerprint import check_same_everywhere
 from gpipe.distributed.link import measure_link
 from gpipe.distributed.materialize import keep_only
@@ -298,6 +299,7 @@ class DistributedGPipe(nn.Module):
             overlap,
         )
         self._last: tuple[Step, Schedule] | None = None
+        self._announced: Any = None  # this rank's step header, while it may be in flight
         _OPEN.add(self)
 
     @property
@@ -308,6 +310,51 @@ class DistributedGPipe(nn.Module):
     @chunks.setter
     def chunks(self, value: int) -> None:
         self._chunks = check_chunks(value)
+
+    @property
+    def checkpoint(self) -> str:
+        """Which micro-batches re-materialize: "always", "except_last" or "never"; settable
+        between steps (on every rank alike: the next step refuses a difference)."""
+        return self._checkpoint
+
+    @checkpoint.setter
+    def checkpoint(self, value: str) -> None:
+        self._checkpoint = check_checkpoint(str(value))
+
+    @property
+    def schedule(self) -> str | Schedule:
+        """The schedule ``train_step`` runs (a name or a Schedule); settable between steps
+        (on every rank alike: the next step refuses a difference).
+
+        Raises:
+            TypeError: neither a name nor a :class:`~gpipe.schedule.Schedule`.
+            ValueError: a schedule that does not fit the pipe (checked when set).
+        """
+        return self._schedule
+
+    @schedule.setter
+    def schedule(self, value: str | Schedule) -> None:
+        if not isinstance(value, (str, Schedule)):
+            raise TypeError(
+                f"schedule must be a name such as '1f1b' or a gpipe.schedule.Schedule, "
+                f"got {type(value).__name__}"
+            )
+        built = self.__dict__.get("_schedules")
+        if built is None:  # __init__: checked once the stages are known
+            self._schedule = value
+            return
+        # NOTE: the schedules built so far follow the old value; a stale one would keep
+        # running silently, so they go, and the new value is checked now, not at a step.
+        check_virtual_stages(value, self.virtual_stages)
+        placement = self._stages.placement
+        fresh = schedule_for(
+            value,
+            self.layout.pp,
+            self.chunks,
+            virtual_stages=self.virtual_stages,
+            placement=placement,
+        )
+        self._schedule, self._schedules = value, {self.chunks: fresh}
 
     # -- training ----------------------------------------------------------------------
 
@@ -364,6 +411,16 @@ class DistributedGPipe(nn.Module):
                     mine, target_batch_dims, count, total, loss_fn, reduction, microbatch_weight
                 )
             sync = self._gradient_sync(schedule)
+            # NOTE: summed and sent in float64 for precision, with the loss's own dtype code
+            # beside it, so every rank returns the dtype plain training returns. The other
+            # ranks post their receive before the step: the loss goes out the moment the last
+            # stage has it, and the first stage finds it there when its own step ends
+            # (broadcast after the step, it cost the first stage 0.5-1 ms of wake-ups).
+            value = torch.zeros(2, dtype=torch.float64)
+            source = self._rank_of(self._stages.last)
+            heard = None
+            if self.rank != source:
+                heard = dist.broadcast(value, source, self.groups.control, async_op=True)
             step = self._run(
                 schedule,
                 count,
@@ -378,9 +435,6 @@ class DistributedGPipe(nn.Module):
             self._tied.sum_gradients(self._wait)
             if microbatches is not None:
                 backward_into_input(step, microbatches, self._holds)
-            # NOTE: summed and sent in float64 for precision, with the loss's own dtype code
-            # beside it, so every rank returns the dtype plain training returns.
-            value = torch.zeros(2, dtype=torch.float64)
             if loss is not None:
                 total_loss = weighted_total(loss.weights, step.state.losses)
                 value[0] = total_loss.detach().double().cpu()
@@ -390,10 +444,13 @@ class DistributedGPipe(nn.Module):
                     )
                 if total_loss.dtype in _LOSS_DTYPES:
                     value[1] = _LOSS_DTYPES.index(total_loss.dtype)
-            source = self._rank_of(self._stages.last)
-            self._collective(
-                lambda: dist.broadcast(value, source, self.groups.control, async_op=True)
-            )
+            self._announced_wait()
+            if heard is None:
+                self._collective(
+                    lambda: dist.broadcast(value, source, self.groups.control, async_op=True)
+                )
+            else:
+                self._wait(heard)
             dtype = _LOSS_DTYPES[int(value[1])]
             return value[0].to(device=self.torch_device, dtype=dtype)
 
@@ -415,6 +472,7 @@ class DistributedGPipe(nn.Module):
             count, total, seed = self._begin(part, microbatches)
             forwards = self._schedule_for(count).only([FORWARD])
             step = self._run(forwards, count, seed, grad=False, loss=None, inputs=microbatches)
+            self._announced_wait()
             if not last:
                 return None
             outputs = collect_outputs(step, count)
@@ -575,11 +633,53 @@ class DistributedGPipe(nn.Module):
                 batch_size(part, self._input_dims()),
             ]
         )
-        header = torch.tensor([*known, seed], dtype=torch.int64)
+        code = self._settings_code()
+        header = torch.tensor([*known, seed, code], dtype=torch.int64)
         source = self._rank_of(self._reader)
-        self._collective(lambda: dist.broadcast(header, source, self.groups.control, async_op=True))
-        count, total, seed = header.tolist()
+        work = dist.broadcast(header, source, self.groups.control, async_op=True)
+        if self.rank == source:
+            # NOTE: the source knows the header already: it starts its actions at once and
+            # makes sure of the broadcast after the step (waiting here cost the first
+            # stage, so the whole pipeline, 1.5 ms per step measured on two cores).
+            self._announced = work
+        else:
+            self._wait(work)
+        count, total, seed, theirs = header.tolist()
+        if theirs != code:
+            failure = self._transport.fail(
+                Failure(
+                    self.rank,
+                    f"rank {self.rank} runs schedule={self._schedule_name()!r}, "
+                    f"checkpoint={self.checkpoint!r}, chunks={self.chunks}, unlike rank "
+                    f"{source}: set pipe.schedule, pipe.checkpoint and pipe.chunks alike on "
+                    "every rank",
+                )
+            )
+            raise PipelineFailure(failure, self.rank)
         return count, total, seed
+
+    def _schedule_name(self) -> str:
+        schedule = self.schedule
+        return schedule if isinstance(schedule, str) else f"a Schedule ({schedule.name})"
+
+    def _settings_code(self) -> int:
+        """A number standing for the settings every rank's step must share."""
+        schedule = self.schedule
+        if isinstance(schedule, str):
+            named = schedule
+        else:  # NOTE: a long text: made once per Schedule object
+            seen = self.__dict__.get("_named")
+            if seen is None or seen[0] is not schedule:
+                seen = self.__dict__["_named"] = (schedule, repr(schedule.actions))
+            named = seen[1]
+        text = f"{named}|{self.checkpoint}|{self.chunks}"
+        return zlib.crc32(text.encode())
+
+    def _announced_wait(self) -> None:
+        """Wait for this rank's own step header to have gone (see :meth:`_begin`)."""
+        work, self._announced = self._announced, None
+        if work is not None:
+            self._wait(work)
 
     def _loss(
         self,
@@ -711,6 +811,7 @@ class DistributedGPipe(nn.Module):
         try:
             yield
         except BaseException:
+            self._announced = None
             if self._transport.failure is not None:
                 self._faults.acknowledge(dist.get_world_size())
             raise
