@@ -118,6 +118,8 @@ class _Outbound:
     numbers: dict[Any, int] = field(default_factory=dict)
     plans: _Plans = field(default_factory=_Plans)
     sent: int = 0
+    # a lone tensor's signature number, by (shape, dtype, requires_grad): the usual message
+    lone: dict[tuple[Any, ...], int] = field(default_factory=dict)
 
 
 class P2PTransport:
@@ -304,15 +306,30 @@ class P2PTransport:
         return self._ranks[self._device_of(source)]
 
     def _send_remote(self, peer: int, tag: Tag, value: Any) -> None:
-        signature, tensors = flatten(value)
-        outbound = self._outbound.setdefault(peer, _Outbound())
-        signature_key = _signature_key(signature)
-        number = outbound.numbers.get(signature_key)
+        outbound = self._outbound.get(peer)
+        if outbound is None:
+            outbound = self._outbound[peer] = _Outbound()
         encoded = None
-        if number is None:
-            number = outbound.numbers[signature_key] = len(outbound.numbers)
-            outbound.plans.layouts.append(_layout(signature))
-            encoded = encode(signature)
+        # NOTE: a lone tensor whose signature this channel has numbered skips the tree walk
+        # and the signature's key (25-60 us on the worker, cold after a kernel)
+        lone = (
+            (tuple(value.shape), value.dtype, value.requires_grad)
+            if type(value) is torch.Tensor
+            else None
+        )
+        number = None if lone is None else outbound.lone.get(lone)
+        if number is not None:
+            tensors = [value if value.is_contiguous() else value.contiguous()]
+        else:
+            signature, tensors = flatten(value)
+            signature_key = _signature_key(signature)
+            number = outbound.numbers.get(signature_key)
+            if number is None:
+                number = outbound.numbers[signature_key] = len(outbound.numbers)
+                outbound.plans.layouts.append(_layout(signature))
+                encoded = encode(signature)
+            if lone is not None:
+                outbound.lone[lone] = number
         j, outbound.sent = outbound.sent, outbound.sent + 1
         predicted = outbound.plans.predict(self._key, j)
         outbound.plans.note(self._key, j, number)
@@ -322,14 +339,11 @@ class P2PTransport:
             fillers = [torch.empty(s, dtype=d, device=self._torch_device) for s, d in predicted]
         sender = tag[3] if len(tag) == 4 else _CHAIN
         size = 0 if encoded is None else encoded.numel()
-        header = torch.tensor(
-            [self._step, number, size, _KINDS[tag[0]], tag[1], tag[2], sender], dtype=torch.int64
-        )
+        header = [self._step, number, size, _KINDS[tag[0]], tag[1], tag[2], sender]
         links = self._links.get(peer)
         if links is None:
             links = self._links[peer] = (_Link(self._control, peer), _Link(self._group, peer))
-        control = [(header, _HEADER_TAG)] + ([] if encoded is None else [(encoded, _SIGNATURE_TAG)])
-        self._sends.add(_Outgoing(tag, links, control, fillers + tensors))
+        self._sends.add(_Outgoing(tag, links, header, encoded, fillers + tensors))
         if not self.overlap:
             self.finish()
 
@@ -413,12 +427,13 @@ class _Inbound:
 @dataclass
 class _Outgoing:
     """One message handed to the sending thread: its links to the peer (control, data), its
-    control messages (tensor, gloo tag) and its tensors (any fillers first), which it keeps
-    alive until they are sent."""
+    header's values, its signature if new, and its tensors (any fillers first), which it
+    keeps alive until they are sent."""
 
     tag: Tag
     links: tuple[_Link, _Link]
-    control: list[tuple[torch.Tensor, int]]
+    header: list[int]  # made a tensor by the thread, off the worker
+    signature: torch.Tensor | None  # the encoded signature, the first time it is used
     tensors: list[torch.Tensor]
 
 
@@ -485,7 +500,10 @@ class _Sender:
             try:
                 if self._error is None:  # the link broke: nothing more gets through
                     control, data = job.links
-                    works = [control.send(t, tag) for t, tag in job.control]
+                    header = torch.tensor(job.header, dtype=torch.int64)
+                    works = [control.send(header, _HEADER_TAG)]
+                    if job.signature is not None:
+                        works.append(control.send(job.signature, _SIGNATURE_TAG))
                     works += [data.send(t) for t in job.tensors]
                     transport.sent.append((job.tag, data.rank, time.perf_counter_ns()))
                     for work in works:
