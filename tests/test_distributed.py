@@ -181,6 +181,25 @@ def test_bad_configurations_fail_on_every_rank_before_any_step(case: str, expect
         assert expected in result["error"], result["error"]
 
 
+@pytest.mark.skipif(
+    torch.cuda.device_count() < 2, reason="needs two CUDA GPUs (one per rank, NCCL)"
+)
+def test_nccl_ranks_on_their_own_gpus_equal_plain_training() -> None:
+    # gd.init() takes NCCL and cuda:LOCAL_RANK when CUDA is present: the same scenario as
+    # on CPU, with each rank's stage, messages and gradients on its own GPU
+    results = check(
+        launch(
+            "dist_scenarios:parity",
+            2,
+            schedules=["gpipe", "1f1b", "zb-h1"],
+            checkpoints=["except_last"],
+            chunks=[4, 1],
+            batch=8,
+        )
+    )
+    assert_parity(results)
+
+
 def test_schedule_and_checkpoint_set_between_steps_take_effect_on_every_rank() -> None:
     results = check(launch("dist_scenarios:settings_changed", 2, case="all"))
     for rank, result in enumerate(results):

@@ -26,7 +26,7 @@ PAGE = ROOT / "docs" / "benchmarks.md"
 HELPERS = {"torch_reference", "host"}  # imported by the others; print nothing of their own
 # Runs that need arguments, or a second way to run a script: run name -> (script, arguments).
 VARIANTS = {
-    "compute": ("compute", ["--distributed"]),
+    "compute": ("compute", ["--distributed", "--steps", "15"]),
     "compute_layouts": ("compute", ["--distributed", "--dp", "2", "--pp", "2"]),
     "latency_distributed": (
         "latency_distributed",
