@@ -50,6 +50,7 @@ from gpipe.schedule import (
     BACKWARD,
     FORWARD,
     Schedule,
+    check_schedule_type,
     check_virtual_stages,
     make_schedule,
     schedule_for,
@@ -347,11 +348,7 @@ class GPipe(nn.Module):
 
     @schedule.setter
     def schedule(self, value: str | Schedule) -> None:
-        if not isinstance(value, (str, Schedule)):
-            raise TypeError(
-                f"schedule must be a name such as '1f1b' or a gpipe.schedule.Schedule, "
-                f"got {type(value).__name__}"
-            )
+        check_schedule_type(value)
         built = self.__dict__.get("_schedules")
         if built is None:  # __init__: checked once the stages are known
             self._schedule = value

@@ -63,7 +63,14 @@ from gpipe.runtime.routes import Routes
 from gpipe.runtime.stages import StageSet
 from gpipe.runtime.state import Loss, StepState
 from gpipe.runtime.step import Step
-from gpipe.schedule import FORWARD, Action, Schedule, check_virtual_stages, schedule_for
+from gpipe.schedule import (
+    FORWARD,
+    Action,
+    Schedule,
+    check_schedule_type,
+    check_virtual_stages,
+    schedule_for,
+)
 from gpipe.skip import has_skippables
 from gpipe.skip import stages as skip_stages
 from gpipe.structure import map_tensors
@@ -334,11 +341,7 @@ class DistributedGPipe(nn.Module):
 
     @schedule.setter
     def schedule(self, value: str | Schedule) -> None:
-        if not isinstance(value, (str, Schedule)):
-            raise TypeError(
-                f"schedule must be a name such as '1f1b' or a gpipe.schedule.Schedule, "
-                f"got {type(value).__name__}"
-            )
+        check_schedule_type(value)
         built = self.__dict__.get("_schedules")
         if built is None:  # __init__: checked once the stages are known
             self._schedule = value

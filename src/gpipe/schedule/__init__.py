@@ -6,7 +6,13 @@ from gpipe.schedule.generate import gpipe, interleaved, one_f_one_b
 from gpipe.schedule.greedy import greedy
 from gpipe.schedule.grid import format_grid
 from gpipe.schedule.placement import round_robin, v_shape
-from gpipe.schedule.registry import SCHEDULES, check_virtual_stages, make_schedule, schedule_for
+from gpipe.schedule.registry import (
+    SCHEDULES,
+    check_schedule_type,
+    check_virtual_stages,
+    make_schedule,
+    schedule_for,
+)
 from gpipe.schedule.schedule import Schedule, from_csv
 from gpipe.schedule.steps import Steps, run_in_steps
 from gpipe.schedule.text import to_csv
@@ -24,6 +30,7 @@ __all__ = [
     "Schedule",
     "ScheduleError",
     "Steps",
+    "check_schedule_type",
     "check_virtual_stages",
     "communication",
     "dependencies",

@@ -75,6 +75,19 @@ def make_schedule(
     return generator(stages, microbatches, **options)
 
 
+def check_schedule_type(schedule: Any) -> None:
+    """Refuse a ``schedule`` that is neither a name nor a :class:`Schedule`.
+
+    Raises:
+        TypeError: anything else.
+    """
+    if not isinstance(schedule, (str, Schedule)):
+        raise TypeError(
+            f"schedule must be a name such as '1f1b' or a gpipe.schedule.Schedule, "
+            f"got {type(schedule).__name__}"
+        )
+
+
 def check_virtual_stages(schedule: str | Schedule, virtual_stages: int) -> None:
     """Refuse ``virtual_stages`` other than the named schedule's own (zb-v: 2).
 
