@@ -272,7 +272,10 @@ def test_balance_by_time_evens_out_a_model_with_a_heavy_output_head(one_thread: 
     model = nn.Sequential(nn.Embedding(100, 128), *blocks, nn.Linear(128, 768))
     tokens = torch.randint(0, 100, (32, 32))
 
-    balance = balance_by_time(model, tokens, 2, repeats=5, warmup=1)
+    # NOTE: 9 repeats and the default warmup: with 5 and 1 the profile came out wrong once
+    # in a full-suite run on two loaded cores (median of 5 taken while another test's
+    # processes were ending), never alone
+    balance = balance_by_time(model, tokens, 2, repeats=9, warmup=2)
 
     assert balance[1] < 4  # the head has company only if the profile was very noisy
     assert time_spread(model, tokens, balance) < time_spread(model, tokens, [4, 4])

@@ -122,6 +122,40 @@ def test_a_rank_raising_ends_every_process_quickly_naming_it() -> None:
     assert spread < 10, [o.seconds for o in outcomes]
 
 
+def test_hand_launched_ranks_exit_with_status_1_after_a_failure() -> None:
+    # plain processes, nothing killing the others and no os._exit: before, a thread left
+    # waiting in gloo aborted each process as the interpreter finalized (exit 134)
+    port = free_port()
+    script = str(Path(__file__).parent / "exit_job.py")
+    procs = [
+        subprocess.Popen(
+            [sys.executable, script],
+            env=dict(
+                os.environ,
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(port),
+                WORLD_SIZE="2",
+                RANK=str(rank),
+                LOCAL_RANK=str(rank),
+                OMP_NUM_THREADS="1",
+            ),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    try:
+        errors = [p.communicate(timeout=90)[1] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [1, 1], errors
+    assert "ValueError: boom on rank 1" in errors[1], errors[1][-2000:]
+    assert "PipelineFailure" in errors[0] and "boom on rank 1" in errors[0], errors[0][-2000:]
+    assert not any("terminate called" in e for e in errors), errors
+
+
 @pytest.mark.parametrize("how", ["kill", "interrupt"])
 def test_a_rank_killed_or_interrupted_ends_the_others(how: str) -> None:
     outcomes = launch("dist_scenarios:stop_at", 3, timeout=60, rank=2, step=2, how=how)

@@ -84,11 +84,18 @@ _LOSS_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 
 
 def close_all() -> bool:
-    """Stop every open pipe's threads; whether none of them saw a failure."""
+    """Stop every open pipe's threads; whether none of them saw a failure.
+
+    A pipe that failed may have threads still waiting in gloo: its links are closed so
+    they end now, not as the interpreter finalizes (see P2PTransport.release).
+    """
     healthy = True
     for pipe in list(_OPEN):
-        healthy = healthy and pipe._transport.failure is None
+        failed = pipe._transport.failure is not None
+        healthy = healthy and not failed
         pipe.close()
+        if failed:
+            pipe._transport.release()
     return healthy
 
 

@@ -30,6 +30,8 @@ failure anywhere (this rank, a peer, a vanished process, a timeout) wakes at onc
 
 from __future__ import annotations
 
+import contextlib
+import datetime
 import queue
 import threading
 import time
@@ -59,6 +61,8 @@ _CHAIN = -(2**62)
 # NCCL, which has no tags, needs): a posted tensor receive never takes a header.
 _HEADER_TAG = 1
 _SIGNATURE_TAG = 2
+_CLOSE_TAG = 3  # never sent: a receive on it times out, closing its link (see release)
+_AT_ONCE = datetime.timedelta(milliseconds=1)
 # A tensor message's layout: each tensor's (shape, dtype), what a posted receive must match.
 Layout = tuple[tuple[tuple[int, ...], torch.dtype], ...]
 
@@ -288,6 +292,29 @@ class P2PTransport:
             inbound.jobs.put(None)
         self._sends.close()
 
+    def release(self, grace: float = 2.0) -> None:
+        """After a failure, at exit: close this rank's links and let its threads end.
+
+        NOTE: a thread still waiting in gloo when the interpreter finalizes drops its work
+        there, and the work's destructor, taking the GIL from a thread Python is ending,
+        aborts the process ("terminate called without an active exception", exit 134
+        instead of the error's own). A receive that times out closes its pair, failing
+        every wait on it: so each link gets a receive that times out at once, and the
+        threads, woken, end while the interpreter still runs.
+        """
+        self.close()
+        peers = set(self._inbound) | set(self._links)
+        for group in {id(self._control): self._control, id(self._group): self._group}.values():
+            if self._torch_device.type != "cpu" and group is self._group:
+                continue  # NCCL: its waits do not block a thread
+            for peer in peers:
+                with contextlib.suppress(Exception):  # closed, as meant (or already)
+                    _Link(group, peer).recv(torch.empty(1), _CLOSE_TAG).wait(_AT_ONCE)
+        deadline = time.monotonic() + grace
+        threads = [inbound.thread for inbound in self._inbound.values()]
+        for thread in [*threads, self._sends.thread]:
+            thread.join(max(0.0, deadline - time.monotonic()))
+
     # -- pieces ------------------------------------------------------------------------
 
     def _heard(self, failure: Failure) -> None:
@@ -457,8 +484,8 @@ class _Sender:
         self._pending = 0  # messages posted and not yet known to have gone
         self._lock = threading.Lock()
         self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="gpipe-sends", daemon=True)
-        self._thread.start()
+        self.thread = threading.Thread(target=self._run, name="gpipe-sends", daemon=True)
+        self.thread.start()
 
     @property
     def broken(self) -> bool:
