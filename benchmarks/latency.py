@@ -175,8 +175,10 @@ def main() -> None:
     if args.distributed:
         import latency_distributed
 
+        args.rounds = 3  # ours and torch's in turns (see latency_distributed.both)
         if args.quick:
             args.no_torch, args.steps, args.stages, args.microbatches = True, 3, [4], [16]
+            args.rounds = 1
         latency_distributed.run(args)
         return
     if args.quick:

@@ -87,17 +87,47 @@ def theirs(k: int, f: float, b: float, ms: list[int], steps: int) -> dict[str, A
     return out if rank == 0 else {}
 
 
+def both(
+    k: int, f: float, b: float, ms: list[int], steps: int, rounds: int, torch_too: bool
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """On every rank: ours and torch's in turns, ``rounds`` times, in the same processes.
+
+    NOTE: run one after the other (two launches), the two sides met different loads on
+    this shared machine: the same command's ratio moved by several percent. In turns,
+    both see the same drift; each side's figure is the median over its rounds.
+    """
+    mine: dict[str, list[Any]] = {}
+    theirs_: dict[str, list[float]] = {}
+    for _ in range(rounds):
+        for key, value in ours(k, f, b, ms, steps).items():
+            mine.setdefault(key, []).append(value)
+        if torch_too:
+            for key, seconds in theirs(k, f, b, ms, steps).items():
+                theirs_.setdefault(key, []).append(seconds)
+    measured = {
+        key: (statistics.median(t for t, _ in runs), statistics.median(p for _, p in runs))
+        for key, runs in mine.items()
+    }
+    return measured, {key: statistics.median(runs) for key, runs in theirs_.items()}
+
+
 def run(args: argparse.Namespace) -> None:
     """The grid, then one RESULT line (the headline cell) and one per cell."""
     f, b = args.forward_ms, args.backward_ms
     rows = []
     for k in args.stages:
-        mine = gd.spawn(ours, k, k, f, b, args.microbatches, args.steps, threads=1)[0]
-        torch_times = (
-            {}
-            if args.no_torch
-            else gd.spawn(theirs, k, k, f, b, args.microbatches, args.steps, threads=1)[0]
-        )
+        mine, torch_times = gd.spawn(
+            both,
+            k,
+            k,
+            f,
+            b,
+            args.microbatches,
+            args.steps,
+            args.rounds,
+            not args.no_torch,
+            threads=1,
+        )[0]
         for schedule in SCHEDULES:
             for m in args.microbatches:
                 measured, predicted = mine[f"{schedule}/{m}"]
@@ -145,7 +175,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--microbatches", type=int, nargs="+", default=[4, 8, 16, 32])
     parser.add_argument("--forward-ms", type=float, default=10.0)
     parser.add_argument("--backward-ms", type=float, default=20.0)
-    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=4, help="timed steps per round")
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="turns of ours then torch's, in the same processes"
+    )
     parser.add_argument("--headline", type=int, nargs=2, default=[4, 16], metavar=("K", "M"))
     parser.add_argument("--no-torch", action="store_true", help="skip torch.distributed.pipelining")
 
