@@ -97,18 +97,18 @@ def both(
     both see the same drift; each side's figure is the median over its rounds.
     """
     mine: dict[str, list[Any]] = {}
-    theirs_: dict[str, list[float]] = {}
+    torch_runs: dict[str, list[float]] = {}
     for _ in range(rounds):
         for key, value in ours(k, f, b, ms, steps).items():
             mine.setdefault(key, []).append(value)
         if torch_too:
             for key, seconds in theirs(k, f, b, ms, steps).items():
-                theirs_.setdefault(key, []).append(seconds)
+                torch_runs.setdefault(key, []).append(seconds)
     measured = {
         key: (statistics.median(t for t, _ in runs), statistics.median(p for _, p in runs))
         for key, runs in mine.items()
     }
-    return measured, {key: statistics.median(runs) for key, runs in theirs_.items()}
+    return measured, {key: statistics.median(runs) for key, runs in torch_runs.items()}
 
 
 def run(args: argparse.Namespace) -> None:

@@ -49,6 +49,23 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def run_all(commands: list[tuple[list[str], dict[str, str]]], timeout: float) -> list[Any]:
+    """Run each (command, environment) at once and wait for them all; every process is
+    killed before this returns. Each one's ``(returncode, stderr)``."""
+    procs = [
+        subprocess.Popen(
+            command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+        )
+        for command, env in commands
+    ]
+    try:
+        errors = [p.communicate(timeout=timeout)[1] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    return [(p.returncode, error) for p, error in zip(procs, errors)]
+
+
 def launch(
     target: str,
     world: int,

@@ -25,6 +25,7 @@ LAYERS = [
         "randomness",
         "batchnorm",
         "arguments",
+        "settings",
         "loss",
         "tied",
     ),

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from gpipe import GPipe
-from ranks import check, free_port, launch
+from ranks import check, free_port, launch, run_all
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -127,30 +127,25 @@ def test_hand_launched_ranks_exit_with_status_1_after_a_failure() -> None:
     # waiting in gloo aborted each process as the interpreter finalized (exit 134)
     port = free_port()
     script = str(Path(__file__).parent / "exit_job.py")
-    procs = [
-        subprocess.Popen(
-            [sys.executable, script],
-            env=dict(
-                os.environ,
-                MASTER_ADDR="127.0.0.1",
-                MASTER_PORT=str(port),
-                WORLD_SIZE="2",
-                RANK=str(rank),
-                LOCAL_RANK=str(rank),
-                OMP_NUM_THREADS="1",
-            ),
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for rank in range(2)
-    ]
-    try:
-        errors = [p.communicate(timeout=90)[1] for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    assert [p.returncode for p in procs] == [1, 1], errors
+    env = dict(
+        os.environ,
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        WORLD_SIZE="2",
+        OMP_NUM_THREADS="1",
+    )
+    outcomes = run_all(
+        [
+            (
+                [sys.executable, script],
+                dict(env, RANK=str(r), LOCAL_RANK=str(r)),
+            )
+            for r in range(2)
+        ],
+        timeout=90,
+    )
+    codes, errors = [code for code, _ in outcomes], [error for _, error in outcomes]
+    assert codes == [1, 1], errors
     assert "ValueError: boom on rank 1" in errors[1], errors[1][-2000:]
     assert "PipelineFailure" in errors[0] and "boom on rank 1" in errors[0], errors[0][-2000:]
     assert not any("terminate called" in e for e in errors), errors

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from ranks import check, free_port, launch
+from ranks import check, free_port, launch, run_all
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -175,40 +174,30 @@ def test_two_torchrun_nodes_of_two_processes_train_as_plain_training(tmp_path: P
     script = Path(__file__).parent / "torchrun_job.py"
     path = os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])
     env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1", GPIPE_TEST_DP="2")
-    nodes = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--nnodes",
-                "2",
-                "--node-rank",
-                str(node),
-                "--nproc-per-node",
-                "2",
-                "--rdzv-backend",
-                "c10d",
-                "--rdzv-endpoint",
-                f"127.0.0.1:{port}",
-                "--rdzv-id",
-                "gpipe-test",
-                str(script),
-                str(tmp_path),
-            ],
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for node in range(2)
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "2",
+        "--node-rank",
+        "{node}",
+        "--nproc-per-node",
+        "2",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{port}",
+        "--rdzv-id",
+        "gpipe-test",
+        str(script),
+        str(tmp_path),
     ]
-    try:
-        errors = [node.communicate(timeout=240)[1] for node in nodes]
-    finally:
-        for node in nodes:
-            node.kill()
-    assert [node.returncode for node in nodes] == [0, 0], errors[0][-2000:] + errors[1][-2000:]
+    nodes = run_all(
+        [([arg.format(node=node) for arg in command], env) for node in range(2)], timeout=240
+    )
+    errors = [error for _, error in nodes]
+    assert [code for code, _ in nodes] == [0, 0], errors[0][-2000:] + errors[1][-2000:]
     for rank in range(4):
         result = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
         assert result["world"] == 4

@@ -14,7 +14,6 @@ from torch import nn
 from gpipe.analysis import Costs, Timeline, kept_microbatches, simulate, skips_from_timeline
 from gpipe.arguments import (
     check_balance_type,
-    check_chunks,
     check_flag,
     check_model,
     check_virtual,
@@ -26,7 +25,6 @@ from gpipe.batchnorm import (
     convert_deferred_batch_norm,
     refuse_reused_batch_norm,
 )
-from gpipe.checkpoint import check_checkpoint
 from gpipe.dataflow import Stages, named_batch_dims
 from gpipe.loss import check_loss_arguments, microbatch_weights, normalized, weighted_total
 from gpipe.microbatch import (
@@ -50,11 +48,10 @@ from gpipe.schedule import (
     BACKWARD,
     FORWARD,
     Schedule,
-    check_schedule_type,
     check_virtual_stages,
     make_schedule,
-    schedule_for,
 )
+from gpipe.settings import StepSettings
 from gpipe.skip import has_skippables
 from gpipe.skip import stages as skip_stages
 from gpipe.structure import leaves, map_tensors
@@ -84,7 +81,7 @@ class _TooFewDevices(ValueError, IndexError):
     ValueError, and an IndexError as torchgpipe raises for too few devices."""
 
 
-class GPipe(nn.Module):
+class GPipe(StepSettings, nn.Module):
     """Run an ``nn.Sequential`` (or :class:`~gpipe.Stages`) as a pipeline of stages over
     micro-batches (GPipe).
 
@@ -326,60 +323,6 @@ class GPipe(nn.Module):
             module, microbatch, stages, optimizer=optimizer, kept_microbatches=kept
         )
 
-    @property
-    def checkpoint(self) -> str:
-        """Which micro-batches re-materialize: "always", "except_last" or "never"; settable."""
-        return self._checkpoint
-
-    @checkpoint.setter
-    def checkpoint(self, value: str) -> None:
-        # NOTE: str() as torchgpipe does, so a str-like mode object works; then validated.
-        self._checkpoint = check_checkpoint(str(value))
-
-    @property
-    def schedule(self) -> str | Schedule:
-        """The schedule ``train_step`` runs (a name or a Schedule); settable between steps.
-
-        Raises:
-            TypeError: neither a name nor a :class:`~gpipe.schedule.Schedule`.
-            ValueError: a schedule that does not fit the pipe (checked when set).
-        """
-        return self._schedule
-
-    @schedule.setter
-    def schedule(self, value: str | Schedule) -> None:
-        check_schedule_type(value)
-        built = self.__dict__.get("_schedules")
-        if built is None:  # __init__: checked once the stages are known
-            self._schedule = value
-            return
-        placement = self._stages.placement if built else None
-        previous = self._schedule
-        # NOTE: the schedules built so far follow the old value; a stale one would keep
-        # running silently, so they go, and the new value is checked now, not at a step.
-        self._schedule, self._schedules = value, {}
-        try:
-            if self.partitions:
-                self._schedules[self.chunks] = schedule_for(
-                    value,
-                    len(self.devices),
-                    self.chunks,
-                    virtual_stages=self.virtual_stages,
-                    placement=placement,
-                )
-        except Exception:
-            self._schedule, self._schedules = previous, built
-            raise
-
-    @property
-    def chunks(self) -> int:
-        """M, the number of micro-batches per mini-batch; settable (an int, or ``8.0``)."""
-        return self._chunks
-
-    @chunks.setter
-    def chunks(self, value: int) -> None:
-        self._chunks = check_chunks(value)
-
     # -- nn.Sequential-like access to the user's layers --------------------------------
 
     def __len__(self) -> int:
@@ -609,18 +552,8 @@ class GPipe(nn.Module):
 
     # -- pieces ------------------------------------------------------------------------
 
-    def _schedule_for(self, microbatches: int) -> Schedule:
-        """The pipe's schedule for ``microbatches``, built and validated once per count."""
-        if microbatches not in self._schedules:
-            held = next(iter(self._schedules.values())).placement if self._schedules else None
-            self._schedules[microbatches] = schedule_for(
-                self.schedule,
-                len(self.devices),
-                microbatches,
-                virtual_stages=self.virtual_stages,
-                placement=held,
-            )
-        return self._schedules[microbatches]
+    def _pipeline_devices(self) -> int:
+        return len(self.devices)
 
     def _bind(self, args: tuple[Any, ...], kwargs: dict[str, Any], keywords: bool = True) -> Any:
         """The input of a call: the one input of a Sequential, the named inputs of Stages.

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from gpipe.analysis import Timeline
-from gpipe.arguments import check_balance_type, check_chunks, check_flag, check_model, check_virtual
+from gpipe.arguments import check_balance_type, check_flag, check_model, check_virtual
 from gpipe.balance import balance_by_params
 from gpipe.batchnorm import (
     DeferredBatchNorm,
@@ -33,7 +33,6 @@ from gpipe.batchnorm import (
     convert_deferred_batch_norm,
     refuse_reused_batch_norm,
 )
-from gpipe.checkpoint import check_checkpoint
 from gpipe.dataflow import Stages, named_batch_dims
 from gpipe.distributed.clipping import clip_grad_norm_
 from gpipe.distributed.clock import offsets_to_rank0
@@ -67,10 +66,9 @@ from gpipe.schedule import (
     FORWARD,
     Action,
     Schedule,
-    check_schedule_type,
     check_virtual_stages,
-    schedule_for,
 )
+from gpipe.settings import StepSettings
 from gpipe.skip import has_skippables
 from gpipe.skip import stages as skip_stages
 from gpipe.structure import map_tensors
@@ -99,7 +97,7 @@ def close_all() -> bool:
     return healthy
 
 
-class DistributedGPipe(nn.Module):
+class DistributedGPipe(StepSettings, nn.Module):
     """Run an ``nn.Sequential`` (or :class:`~gpipe.Stages`) as a pipeline with one device per
     process (torchrun).
 
@@ -197,7 +195,7 @@ class DistributedGPipe(nn.Module):
         self.layout = Layout(dp_size, world // dp_size, dist.get_rank())
         self.rank = self.layout.rank
         self.chunks = chunks
-        self.checkpoint = check_checkpoint(str(checkpoint))
+        self.checkpoint = checkpoint
         self.input_batch_dims = check_batch_dims(input_batch_dims, "input_batch_dims")
         self.output_batch_dims = check_batch_dims(output_batch_dims, "output_batch_dims")
         self.schedule = schedule
@@ -315,56 +313,6 @@ class DistributedGPipe(nn.Module):
         self._last: tuple[Step, Schedule] | None = None
         self._announced: Any = None  # this rank's step header, while it may be in flight
         _OPEN.add(self)
-
-    @property
-    def chunks(self) -> int:
-        """M, micro-batches per mini-batch of each replica; settable (an int, or ``8.0``)."""
-        return self._chunks
-
-    @chunks.setter
-    def chunks(self, value: int) -> None:
-        self._chunks = check_chunks(value)
-
-    @property
-    def checkpoint(self) -> str:
-        """Which micro-batches re-materialize: "always", "except_last" or "never"; settable
-        between steps (on every rank alike: the next step refuses a difference)."""
-        return self._checkpoint
-
-    @checkpoint.setter
-    def checkpoint(self, value: str) -> None:
-        self._checkpoint = check_checkpoint(str(value))
-
-    @property
-    def schedule(self) -> str | Schedule:
-        """The schedule ``train_step`` runs (a name or a Schedule); settable between steps
-        (on every rank alike: the next step refuses a difference).
-
-        Raises:
-            TypeError: neither a name nor a :class:`~gpipe.schedule.Schedule`.
-            ValueError: a schedule that does not fit the pipe (checked when set).
-        """
-        return self._schedule
-
-    @schedule.setter
-    def schedule(self, value: str | Schedule) -> None:
-        check_schedule_type(value)
-        built = self.__dict__.get("_schedules")
-        if built is None:  # __init__: checked once the stages are known
-            self._schedule = value
-            return
-        # NOTE: the schedules built so far follow the old value; a stale one would keep
-        # running silently, so they go, and the new value is checked now, not at a step.
-        check_virtual_stages(value, self.virtual_stages)
-        placement = self._stages.placement
-        fresh = schedule_for(
-            value,
-            self.layout.pp,
-            self.chunks,
-            virtual_stages=self.virtual_stages,
-            placement=placement,
-        )
-        self._schedule, self._schedules = value, {self.chunks: fresh}
 
     # -- training ----------------------------------------------------------------------
 
@@ -771,17 +719,8 @@ class DistributedGPipe(nn.Module):
         last = last_gradient_actions(schedule, self.layout.position)
         return GradientSync(parameters, last, self.groups.replicas)
 
-    def _schedule_for(self, microbatches: int) -> Schedule:
-        if microbatches not in self._schedules:
-            held = next(iter(self._schedules.values())).placement if self._schedules else None
-            self._schedules[microbatches] = schedule_for(
-                self.schedule,
-                self.layout.pp,
-                microbatches,
-                virtual_stages=self.virtual_stages,
-                placement=held,
-            )
-        return self._schedules[microbatches]
+    def _pipeline_devices(self) -> int:
+        return self.layout.pp
 
     def _holds(self, stage: int) -> bool:
         return self._stages.placement[stage] == self.layout.position
