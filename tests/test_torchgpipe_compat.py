@@ -115,12 +115,27 @@ def test_bad_balance_recommends_balance_by_time() -> None:
             GPipe(module, balance)
 
 
-def test_balance_by_time_takes_torchgpipes_argument_order_too() -> None:
+def test_balance_by_time_takes_torchgpipes_argument_order_too(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Timings differ from call to call, so the two orders are compared on what they
+    # measure (the same module and sample) and on a balance the times decide alone.
+    from gpipe.balance import measured
+
+    seen: list[tuple[nn.Module, torch.Tensor]] = []
+    real_profile = measured.profile
+
+    def recording_profile(module: nn.Sequential, sample: torch.Tensor, **kwargs: object):  # type: ignore[no-untyped-def]
+        seen.append((module, sample))
+        return real_profile(module, sample, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(measured, "profile", recording_profile)
     model = make_mlp(2).float()
     sample = torch.randn(4, 6)
-    assert balance_by_time(2, model, sample, device="cpu") == balance_by_time(
-        model, sample, 2, device="cpu"
-    )
+    ours, theirs = balance_by_time(model, sample, 2), balance_by_time(2, model, sample)
+    assert len(seen) == 2 and all(m is model and s is sample for m, s in seen)
+    for balance in (ours, theirs):
+        assert len(balance) == 2 and sum(balance) == len(model) and min(balance) >= 1
 
 
 def test_sequential_like_access_matches_the_model_torchgpipe_style() -> None:
