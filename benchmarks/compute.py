@@ -10,8 +10,28 @@ messages the best a 2-stage pipeline can do is ``2M / (M + 1)`` times the plain 
 fill and drain leave one core idle for one micro-batch each way); ``of_ideal`` is the
 speedup measured over that.
 
+Everything is measured in turns, in the same two processes of one launch: per model,
+``--rounds`` times, plain training on rank 0 alone (rank 1 idle at a barrier), plain
+training on both ranks at once, ours for each schedule, then torch's for each schedule.
+Each figure is the median of ``--steps`` timed steps after a warm-up step; each cell's, the
+median over the rounds. Measured in separate launches, the sides met different loads on
+this shared machine and the ratios drifted by 5-25% between runs; in turns, all see the
+same drift.
+
+Two busy processes need not each run at the speed of one alone (shared caches and memory
+bandwidth, clock, the machine's other load), so the plain step with both ranks busy at once
+(``plain2_ms``) is what each stage of a pipeline can hope for here, and
+``machine_ideal = ideal * plain_ms / plain2_ms`` the best a 2-stage pipeline can reach on
+this machine. This separates the two causes of a low ``of_ideal``: ``machine_ideal`` below
+``ideal`` is the machine's limit; ``of_machine = speedup / machine_ideal`` below 1 is the
+pipeline's own overhead (messages, bookkeeping, waits). Short runs are noisy: turn-to-turn
+swings of 10-20% were seen with 3 steps, so ``machine_ideal`` can even come out above
+``ideal``; more steps and rounds steady it. Under outside load the reverse happens too: two
+fully busy plain processes suffer more than pipeline stages that are partly idle (fill,
+drain, waits), and ``of_machine`` comes out above 1.
+
     python benchmarks/compute.py --distributed
-    python benchmarks/compute.py --distributed --microbatches 4 8 16 --steps 10
+    python benchmarks/compute.py --distributed --microbatches 4 8 16 --steps 10 --rounds 5
 
 With ``--dp D --pp P`` it compares layouts of the same D*P processes on the transformer
 instead: D replicas of a P-stage pipeline, a pipeline over all D*P processes, and plain
@@ -28,6 +48,7 @@ import argparse
 import resource
 import statistics
 import time
+from typing import Any
 
 import torch
 from torch import nn
@@ -64,8 +85,16 @@ def _batch(shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(shape, generator=generator), torch.randn(shape, generator=generator)
 
 
-def plain(name: str, ms: list[int], steps: int) -> dict[int, float]:
-    """One process, one thread: seconds per step of gradient accumulation over M chunks."""
+Key = tuple[str, int]  # (schedule, M)
+
+
+def plain(name: str, ms: list[int], steps: int, together: bool = False) -> dict[int, float]:
+    """One process, one thread: seconds per step of gradient accumulation over M chunks.
+
+    With ``together``, a barrier before each step, so that every rank starts it at once.
+    """
+    import torch.distributed as dist
+
     torch.set_num_threads(1)
     build, shape = MODELS[name]
     model = build()
@@ -74,6 +103,8 @@ def plain(name: str, ms: list[int], steps: int) -> dict[int, float]:
     for m in ms:
         times = []
         for step in range(steps + 1):
+            if together:
+                dist.barrier()
             began = time.perf_counter()
             for xs, ys in zip(x.tensor_split(m), y.tensor_split(m)):
                 (F.mse_loss(model(xs), ys) * xs.shape[0] / x.shape[0]).backward()
@@ -84,7 +115,8 @@ def plain(name: str, ms: list[int], steps: int) -> dict[int, float]:
     return out
 
 
-def ours(name: str, ms: list[int], schedules: list[str], steps: int) -> dict[str, float]:
+def ours(name: str, ms: list[int], schedules: list[str], steps: int) -> dict[Key, float]:
+    """On every rank: seconds per train_step of DistributedGPipe (rank 0's; {} elsewhere)."""
     rank, world = gd.init()
     build, shape = MODELS[name]
     x, y = _batch(shape)
@@ -104,12 +136,13 @@ def ours(name: str, ms: list[int], schedules: list[str], steps: int) -> dict[str
                 if step:
                     times.append(time.perf_counter() - began)
                 pipe.zero_grad()
-            out[f"{schedule}/{m}"] = statistics.median(times)
+            out[schedule, m] = statistics.median(times)
             pipe.close()
     return out if rank == 0 else {}
 
 
-def theirs(name: str, ms: list[int], schedules: list[str], steps: int) -> dict[str, float]:
+def theirs(name: str, ms: list[int], schedules: list[str], steps: int) -> dict[Key, float]:
+    """On every rank: seconds per step of torch.distributed.pipelining (rank 0's)."""
     import torch.distributed as dist
     from torch.distributed import pipelining
 
@@ -135,8 +168,60 @@ def theirs(name: str, ms: list[int], schedules: list[str], steps: int) -> dict[s
                 if step:
                     times.append(time.perf_counter() - began)
                 stage_module.zero_grad()
-            out[f"{schedule}/{m}"] = statistics.median(times)
+            out[schedule, m] = statistics.median(times)
     return out if rank == 0 else {}
+
+
+def both(
+    names: list[str],
+    ms: list[int],
+    schedules: list[str],
+    steps: int,
+    rounds: int,
+    torch_too: bool,
+) -> dict[str, dict[str, dict[Any, float]]]:
+    """On every rank: plain alone, plain two at once, ours and torch's in turns, per model.
+
+    NOTE: run one after the other (plain here, ours and torch's in two launches), the sides
+    met different loads on this shared machine: the same command's ratios drifted by 5-25%.
+    In turns, in the same processes, all see the same drift; each figure is the median over
+    its rounds.
+
+    Returns:
+        On rank 0, per model: "plain" and "plain2" (two at once) by M, "ours" and "torch"
+        by (schedule, M), in seconds per step; {} on the other rank.
+    """
+    import torch.distributed as dist
+
+    rank, world = gd.init()
+    out = {}
+    for name in names:
+        runs: dict[str, dict[Any, list[float]]] = {"plain": {}, "plain2": {}, "ours": {}}
+        if torch_too:
+            runs["torch"] = {}
+        for _ in range(rounds):
+            dist.barrier()
+            if rank == 0:  # rank 1 waits idle at the barrier below
+                _add(runs["plain"], plain(name, ms, steps))
+            dist.barrier()
+            medians: list[dict[int, float]] = [{} for _ in range(world)]
+            dist.all_gather_object(medians, plain(name, ms, steps, together=True))
+            _add(runs["plain2"], {m: statistics.mean(r[m] for r in medians) for m in ms})
+            dist.barrier()
+            _add(runs["ours"], ours(name, ms, schedules, steps))
+            if torch_too:
+                _add(runs["torch"], theirs(name, ms, schedules, steps))
+        out[name] = {
+            side: {key: statistics.median(t) for key, t in times.items()}
+            for side, times in runs.items()
+        }
+    return out if rank == 0 else {}
+
+
+def _add(runs: dict[Any, list[float]], figures: dict[Any, float]) -> None:
+    """Append one turn's figures to each key's list of runs."""
+    for key, seconds in figures.items():
+        runs.setdefault(key, []).append(seconds)
 
 
 def _state_bytes(params: list[nn.Parameter], shards: int = 1) -> int:
@@ -224,8 +309,11 @@ def run_layouts(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
+    """The layouts, or the grid in turns in one launch: a table, then one RESULT line per cell."""
     if not args.distributed:
         raise SystemExit("compute.py measures the distributed runtime: pass --distributed")
+    if args.steps < 1 or args.rounds < 1:
+        raise SystemExit(f"--steps {args.steps} --rounds {args.rounds}: each must be at least 1")
     if args.dp or args.pp:
         if not (args.dp and args.pp) or args.dp < 1 or args.pp < 2 or 4 % args.pp:
             raise SystemExit(
@@ -234,43 +322,62 @@ def run(args: argparse.Namespace) -> None:
             )
         run_layouts(args)
         return
-    results = []
+    measured = gd.spawn(
+        both,
+        2,
+        args.models,
+        args.microbatches,
+        args.schedules,
+        args.steps,
+        args.rounds,
+        not args.no_torch,
+        threads=1,
+    )[0]
+    rows = []
     for name in args.models:
-        base = plain(name, args.microbatches, args.steps)
-        mine = gd.spawn(ours, 2, name, args.microbatches, args.schedules, args.steps, threads=1)[0]
-        torch_s = (
-            {}
-            if args.no_torch
-            else gd.spawn(
-                theirs, 2, name, args.microbatches, args.schedules, args.steps, threads=1
-            )[0]
-        )
+        cells = measured[name]
         for schedule in args.schedules:
             for m in args.microbatches:
-                key = f"{schedule}/{m}"
-                results.append((name, schedule, m, base[m], mine[key], torch_s.get(key)))
-    print("2 processes x 1 thread vs plain training in 1 process x 1 thread, same micro-batches")
+                base, base2 = cells["plain"][m], cells["plain2"][m]
+                mine = cells["ours"][schedule, m]
+                torch_s = cells.get("torch", {}).get((schedule, m))
+                rows.append((name, schedule, m, base, base2, mine, torch_s))
     print(
-        f"{'model':>12} {'schedule':>8} {'M':>3} {'plain ms':>9} {'ours ms':>9} {'speedup':>8}"
-        f" {'ideal':>6} {'of ideal':>9} {'torch ms':>9} {'torch/ours':>10}"
+        "2 processes x 1 thread vs plain training in 1 process x 1 thread, same micro-batches; "
+        f"in turns in the same processes (--rounds {args.rounds}, --steps {args.steps})"
     )
-    for name, schedule, m, base, mine, torch_s in results:
+    print(
+        f"{'model':>12} {'schedule':>8} {'M':>3} {'plain ms':>9} {'plain2 ms':>10} {'ours ms':>9}"
+        f" {'speedup':>8} {'ideal':>6} {'machine':>8} {'of ideal':>9} {'of machine':>11}"
+        f" {'torch ms':>9} {'torch/ours':>10} {'torch of ideal':>15}"
+    )
+    for name, schedule, m, base, base2, mine, torch_s in rows:
         ideal = 2 * m / (m + 1)
-        speedup = base / mine
-        shown = f"{torch_s * 1e3:9.1f} {torch_s / mine:10.3f}" if torch_s else f"{'-':>9} {'-':>10}"
-        print(
-            f"{name:>12} {schedule:>8} {m:>3} {base * 1e3:9.1f} {mine * 1e3:9.1f} "
-            f"{speedup:8.3f} {ideal:6.3f} {speedup / ideal:9.3f} {shown}"
+        speedup, machine = base / mine, ideal * base / base2
+        shown = (
+            f"{torch_s * 1e3:9.1f} {torch_s / mine:10.3f} {base / torch_s / ideal:15.3f}"
+            if torch_s
+            else f"{'-':>9} {'-':>10} {'-':>15}"
         )
-    for name, schedule, m, base, mine, torch_s in results:
+        print(
+            f"{name:>12} {schedule:>8} {m:>3} {base * 1e3:9.1f} {base2 * 1e3:10.1f} "
+            f"{mine * 1e3:9.1f} {speedup:8.3f} {ideal:6.3f} {machine:8.3f} {speedup / ideal:9.3f} "
+            f"{speedup / machine:11.3f} {shown}"
+        )
+    for name, schedule, m, base, base2, mine, torch_s in rows:
         ideal = 2 * m / (m + 1)
+        speedup, machine = base / mine, ideal * base / base2
         extra = (
-            f" torch_ms={torch_s * 1e3:.1f} torch_over_ours={torch_s / mine:.3f}" if torch_s else ""
+            f" torch_ms={torch_s * 1e3:.1f} torch_over_ours={torch_s / mine:.3f}"
+            f" torch_of_ideal={base / torch_s / ideal:.3f}"
+            if torch_s
+            else ""
         )
         print(
             f"RESULT model={name} schedule={schedule} microbatches={m} plain_ms={base * 1e3:.1f} "
-            f"ours_ms={mine * 1e3:.1f} speedup={base / mine:.3f} ideal={ideal:.3f} "
-            f"of_ideal={base / mine / ideal:.3f}{extra}"
+            f"ours_ms={mine * 1e3:.1f} speedup={speedup:.3f} ideal={ideal:.3f} "
+            f"of_ideal={speedup / ideal:.3f} plain2_ms={base2 * 1e3:.1f} "
+            f"machine_ideal={machine:.3f} of_machine={speedup / machine:.3f}{extra}"
         )
 
 
@@ -280,7 +387,10 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--schedules", nargs="+", default=["gpipe", "1f1b"], choices=list(_TORCH))
     parser.add_argument("--microbatches", type=int, nargs="+", default=[8])
-    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per turn")
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="turns of every side, in the same processes"
+    )
     parser.add_argument("--no-torch", action="store_true", help="skip torch.distributed.pipelining")
     parser.add_argument("--dp", type=int, default=0, help="replicas (with --pp): layouts mode")
     parser.add_argument("--pp", type=int, default=0, help="pipeline stages (with --dp)")
