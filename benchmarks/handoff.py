@@ -1,0 +1,266 @@
+"""Where a distributed step loses time between actions: ours vs torch.distributed.pipelining.
+
+The stages are sleep layers (F and B ms), one per process, as in latency_distributed.py, so
+all that is not sleep is the runtime's. Both runtimes run the same stages, in turns, in the
+same processes. Every sleep is noted on the machine's monotonic clock, which all processes
+share, and three costs are read off the notes, the same way for both runtimes:
+
+- **overrun**: how much longer a sleep took than asked (the OS waking the thread late);
+- **gap**: from the end of one sleep to the start of the next on the same rank, when the
+  next action's message was already there: the runtime's own work around an action;
+- **hop**: from the end of the sleep that made a message (on the neighbouring rank) to the
+  start of the sleep that needed it, when that action had to wait for it: the hand-off.
+
+On the critical path of a step each action costs its overrun, and each hand-off its gap or
+its hop, so ``hops x (hop - gap)`` is what the transport adds to a step beyond the runtime's
+per-action work. For ours, the timeline splits a hop into **sending** (the action's end to
+its message posted by the sending thread), **flight** (posted to received by the receiving
+thread) and **receiving** (received to the next action's start).
+
+    python benchmarks/handoff.py                       # K=4, M=16, gpipe and 1f1b
+    python benchmarks/handoff.py --stages 2 --microbatches 8 --schedules 1f1b
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import statistics
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn import functional as F
+
+import gpipe.distributed as gd
+from gpipe.analysis import Timeline
+from gpipe.models import latency, sleep_stages
+from gpipe.schedule import BACKWARD, FORWARD
+
+_TORCH = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
+Sleep = tuple[float, int, int]  # (seconds asked, start ns, end ns)
+
+
+class _NotingClock:
+    """Stands in for the ``time`` module of gpipe.models.latency: notes every sleep.
+
+    NOTE: the sleep layers call ``time.sleep`` through their module's global ``time``, so
+    replacing that global notes the sleeps of both runtimes alike, with no change to the
+    layers or to either runtime.
+    """
+
+    def __init__(self) -> None:
+        self.sleeps: list[Sleep] = []
+
+    def sleep(self, seconds: float) -> None:
+        start = time.perf_counter_ns()
+        time.sleep(seconds)
+        self.sleeps.append((seconds, start, time.perf_counter_ns()))
+
+
+_CLOCK = _NotingClock()
+latency.time = _CLOCK  # type: ignore[attr-defined]
+
+
+def _ours(k: int, f: float, b: float, m: int, schedule: str, steps: int) -> list[Any]:
+    """Per timed step: (step seconds, this rank's sleeps, the timeline's hop parts)."""
+    pipe = gd.DistributedGPipe(
+        sleep_stages(k, f, b), [1] * k, chunks=m, schedule=schedule, checkpoint="never"
+    )
+    x, y = torch.randn(m, 4), torch.randn(m, 4)
+    out = []
+    for step in range(steps + 1):
+        dist.barrier()
+        _CLOCK.sleeps.clear()
+        began = time.perf_counter()
+        pipe.train_step(x, y, F.mse_loss)
+        seconds = time.perf_counter() - began
+        timeline = pipe.timeline  # a collective: every rank reads it
+        if step:
+            out.append((seconds, list(_CLOCK.sleeps), _hop_parts(timeline)))
+    pipe.close()
+    return out
+
+
+def _theirs(k: int, f: float, b: float, m: int, schedule: str, steps: int) -> list[Any]:
+    """Per timed step: (step seconds, this rank's sleeps, no hop parts)."""
+    from torch.distributed import pipelining
+
+    rank = dist.get_rank()
+    layer = nn.Sequential(*list(sleep_stages(k, f, b))[rank : rank + 1])
+    stage = pipelining.PipelineStage(layer, rank, k, torch.device("cpu"))
+    runner = getattr(pipelining, _TORCH[schedule])(stage, m, loss_fn=F.mse_loss)
+    x, y = torch.randn(m, 4), torch.randn(m, 4)
+    out = []
+    for step in range(steps + 1):
+        dist.barrier()
+        _CLOCK.sleeps.clear()
+        began = time.perf_counter()
+        if rank == 0:
+            runner.step(x)
+        elif rank == k - 1:
+            runner.step(target=y, losses=[])
+        else:
+            runner.step()
+        seconds = time.perf_counter() - began
+        layer.zero_grad()
+        if step:
+            out.append((seconds, list(_CLOCK.sleeps), None))
+    return out
+
+
+def _hop_parts(timeline: Timeline) -> list[tuple[float, float, float]]:
+    """(sending, flight, receiving) in seconds of each message an action waited for."""
+    ends = {
+        (e.action.kind, e.action.stage, e.action.microbatch): e.end
+        for device in timeline.events
+        for e in device
+    }
+    parts = []
+    for device, events in enumerate(timeline.events):
+        arrivals = {
+            (t.kind, t.stage, t.microbatch): t for t in timeline.transfers if t.target == device
+        }
+        for before, event in itertools.pairwise(events):
+            action = event.action
+            message = arrivals.get((action.kind, action.stage, action.microbatch))
+            if message is None or message.end <= before.end:
+                continue  # the message was there when the rank was free: no wait
+            producer = action.stage - 1 if action.kind == FORWARD else action.stage + 1
+            made = ends.get((action.kind, producer, action.microbatch))
+            if made is None:
+                continue
+            parts.append(
+                (message.start - made, message.end - message.start, event.start - message.end)
+            )
+    return parts
+
+
+def _costs(k: int, f_s: float, sleeps: list[list[Sleep]]) -> tuple[list[float], ...]:
+    """Overruns, gaps and hops (seconds) of one step, from every rank's sleeps.
+
+    The i-th forward sleep of rank r needs the i-th of rank r - 1, and the i-th backward
+    sleep the i-th of rank r + 1: every rank runs its micro-batches in the same order.
+    """
+    made: list[dict[tuple[str, int], int]] = []
+    for notes in sleeps:
+        ends: dict[tuple[str, int], int] = {}
+        counts = {FORWARD: 0, BACKWARD: 0}
+        for seconds, _, end in notes:
+            kind = FORWARD if seconds == f_s else BACKWARD
+            ends[kind, counts[kind]] = end
+            counts[kind] += 1
+        made.append(ends)
+    overruns, gaps, hops = [], [], []
+    for rank, notes in enumerate(sleeps):
+        counts = {FORWARD: 0, BACKWARD: 0}
+        free = None  # when this rank's last sleep ended
+        for seconds, start, end in notes:
+            overruns.append((end - start) / 1e9 - seconds)
+            kind = FORWARD if seconds == f_s else BACKWARD
+            neighbour = rank - 1 if kind == FORWARD else rank + 1
+            ready = made[neighbour].get((kind, counts[kind])) if 0 <= neighbour < k else None
+            counts[kind] += 1
+            if ready is not None and (free is None or ready > free):
+                hops.append((start - ready) / 1e9)
+            elif free is not None:
+                gaps.append((start - free) / 1e9)
+            free = end
+    return overruns, gaps, hops
+
+
+def both(
+    k: int, f: float, b: float, m: int, schedules: list[str], steps: int, rounds: int
+) -> dict[str, Any]:
+    """On every rank: ours and torch's in turns; rank 0 returns every rank's notes."""
+    gd.init()
+    runs: dict[str, list[Any]] = {}
+    for _ in range(rounds):
+        for schedule in schedules:
+            for side, run in (("ours", _ours), ("torch", _theirs)):
+                mine = run(k, f, b, m, schedule, steps)
+                gathered: list[Any] = [None] * k
+                dist.all_gather_object(gathered, mine)
+                runs.setdefault(f"{schedule}/{side}", []).extend(zip(*gathered))
+    return runs if dist.get_rank() == 0 else {}
+
+
+def _ms(values: list[float]) -> float:
+    return statistics.median(values) * 1e3 if values else float("nan")
+
+
+def run(args: argparse.Namespace) -> None:
+    """Measure, then a table and one RESULT line per schedule."""
+    k, m, f, b = args.stages, args.microbatches, args.forward_ms, args.backward_ms
+    if k < 2 or m < 1 or args.steps < 1 or args.rounds < 1:
+        raise SystemExit("--stages must be at least 2; --microbatches, --steps, --rounds 1")
+    runs = gd.spawn(both, k, k, f, b, m, args.schedules, args.steps, args.rounds, threads=1)[0]
+    print(f"K={k} M={m} F={f:g} B={b:g} ms, in turns; medians over every step and rank")
+    print(
+        f"{'schedule':>8} {'side':>6} {'step ms':>8} {'overrun':>8} {'gap':>6} {'hop':>6} "
+        f"{'hops/step':>9} {'sending':>8} {'flight':>7} {'receiving':>9}"
+    )
+    results = []
+    for schedule in args.schedules:
+        figures: dict[str, dict[str, float]] = {}
+        for side in ("ours", "torch"):
+            steps = runs[f"{schedule}/{side}"]  # per step: every rank's (seconds, sleeps, parts)
+            overruns, gaps, hops, parts = [], [], [], []
+            for ranks in steps:
+                o, g, h = _costs(k, f / 1e3, [sleeps for _, sleeps, _ in ranks])
+                overruns += o
+                gaps += g
+                hops += h
+                if ranks[0][2] is not None:
+                    parts += ranks[0][2]
+            figures[side] = {
+                "step": statistics.median(ranks[0][0] for ranks in steps) * 1e3,
+                "overrun": _ms(overruns),
+                "gap": _ms(gaps),
+                "hop": _ms(hops),
+                "hops": len(hops) / len(steps),
+                **{
+                    name: _ms([p[i] for p in parts])
+                    for i, name in enumerate(("sending", "flight", "receiving"))
+                },
+            }
+            c = figures[side]
+            split = (
+                f"{c['sending']:8.3f} {c['flight']:7.3f} {c['receiving']:9.3f}"
+                if parts
+                else f"{'-':>8} {'-':>7} {'-':>9}"
+            )
+            print(
+                f"{schedule:>8} {side:>6} {c['step']:8.1f} {c['overrun']:8.3f} {c['gap']:6.3f} "
+                f"{c['hop']:6.3f} {c['hops']:9.1f} {split}"
+            )
+        results.append((schedule, figures))
+    for schedule, figures in results:
+        ours, theirs = figures["ours"], figures["torch"]
+        print(
+            f"RESULT schedule={schedule} stages={k} microbatches={m} "
+            f"ours_ms={ours['step']:.1f} torch_ms={theirs['step']:.1f} "
+            f"ours_hop_ms={ours['hop']:.3f} torch_hop_ms={theirs['hop']:.3f} "
+            f"ours_gap_ms={ours['gap']:.3f} torch_gap_ms={theirs['gap']:.3f} "
+            f"ours_overrun_ms={ours['overrun']:.3f} torch_overrun_ms={theirs['overrun']:.3f} "
+            f"sending_ms={ours['sending']:.3f} flight_ms={ours['flight']:.3f} "
+            f"receiving_ms={ours['receiving']:.3f}"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--stages", type=int, default=4)
+    parser.add_argument("--microbatches", type=int, default=16)
+    parser.add_argument("--schedules", nargs="+", default=list(_TORCH), choices=list(_TORCH))
+    parser.add_argument("--forward-ms", type=float, default=10.0)
+    parser.add_argument("--backward-ms", type=float, default=20.0)
+    parser.add_argument("--steps", type=int, default=4, help="timed steps per turn")
+    parser.add_argument("--rounds", type=int, default=2, help="turns of ours then torch's")
+    run(parser.parse_args())
+
+
+if __name__ == "__main__":
+    main()
