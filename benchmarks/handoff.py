@@ -27,19 +27,20 @@ import argparse
 import itertools
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.nn import functional as F
 
 import gpipe.distributed as gd
 from gpipe.analysis import Timeline
 from gpipe.models import latency, sleep_stages
 from gpipe.schedule import BACKWARD, FORWARD
+from latency_distributed import torch_step
 
-_TORCH = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
+_SCHEDULES = ("gpipe", "1f1b")
 Sleep = tuple[float, int, int]  # (seconds asked, start ns, end ns)
 
 
@@ -64,51 +65,37 @@ _CLOCK = _NotingClock()
 latency.time = _CLOCK  # type: ignore[attr-defined]
 
 
+def _timed(step: Callable[[], None], steps: int, parts: Callable[[], Any]) -> list[Any]:
+    """Per timed step (after a warm-up): (seconds, this rank's sleeps, ``parts()``)."""
+    out = []
+    for i in range(steps + 1):
+        dist.barrier()
+        _CLOCK.sleeps.clear()
+        began = time.perf_counter()
+        step()
+        seconds = time.perf_counter() - began
+        split = parts()  # NOTE: a collective for ours: every rank asks
+        if i:
+            out.append((seconds, list(_CLOCK.sleeps), split))
+    return out
+
+
 def _ours(k: int, f: float, b: float, m: int, schedule: str, steps: int) -> list[Any]:
     """Per timed step: (step seconds, this rank's sleeps, the timeline's hop parts)."""
     pipe = gd.DistributedGPipe(
         sleep_stages(k, f, b), [1] * k, chunks=m, schedule=schedule, checkpoint="never"
     )
     x, y = torch.randn(m, 4), torch.randn(m, 4)
-    out = []
-    for step in range(steps + 1):
-        dist.barrier()
-        _CLOCK.sleeps.clear()
-        began = time.perf_counter()
-        pipe.train_step(x, y, F.mse_loss)
-        seconds = time.perf_counter() - began
-        timeline = pipe.timeline  # a collective: every rank reads it
-        if step:
-            out.append((seconds, list(_CLOCK.sleeps), _hop_parts(timeline)))
+    out = _timed(
+        lambda: pipe.train_step(x, y, F.mse_loss), steps, lambda: _hop_parts(pipe.timeline)
+    )
     pipe.close()
     return out
 
 
 def _theirs(k: int, f: float, b: float, m: int, schedule: str, steps: int) -> list[Any]:
-    """Per timed step: (step seconds, this rank's sleeps, no hop parts)."""
-    from torch.distributed import pipelining
-
-    rank = dist.get_rank()
-    layer = nn.Sequential(*list(sleep_stages(k, f, b))[rank : rank + 1])
-    stage = pipelining.PipelineStage(layer, rank, k, torch.device("cpu"))
-    runner = getattr(pipelining, _TORCH[schedule])(stage, m, loss_fn=F.mse_loss)
-    x, y = torch.randn(m, 4), torch.randn(m, 4)
-    out = []
-    for step in range(steps + 1):
-        dist.barrier()
-        _CLOCK.sleeps.clear()
-        began = time.perf_counter()
-        if rank == 0:
-            runner.step(x)
-        elif rank == k - 1:
-            runner.step(target=y, losses=[])
-        else:
-            runner.step()
-        seconds = time.perf_counter() - began
-        layer.zero_grad()
-        if step:
-            out.append((seconds, list(_CLOCK.sleeps), None))
-    return out
+    """Per timed step: (step seconds, this rank's sleeps, None)."""
+    return _timed(torch_step(k, f, b, m, schedule), steps, lambda: None)
 
 
 def _hop_parts(timeline: Timeline) -> list[tuple[float, float, float]]:
@@ -254,7 +241,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--stages", type=int, default=4)
     parser.add_argument("--microbatches", type=int, default=16)
-    parser.add_argument("--schedules", nargs="+", default=list(_TORCH), choices=list(_TORCH))
+    parser.add_argument("--schedules", nargs="+", default=list(_SCHEDULES), choices=_SCHEDULES)
     parser.add_argument("--forward-ms", type=float, default=10.0)
     parser.add_argument("--backward-ms", type=float, default=20.0)
     parser.add_argument("--steps", type=int, default=4, help="timed steps per turn")

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -53,36 +54,50 @@ def ours(k: int, f: float, b: float, ms: list[int], steps: int) -> dict[str, Any
     return out if rank == 0 else {}
 
 
-def theirs(k: int, f: float, b: float, ms: list[int], steps: int) -> dict[str, Any]:
-    """On every rank: seconds per step of torch.distributed.pipelining, same stages."""
+def torch_step(k: int, f: float, b: float, m: int, schedule: str) -> Callable[[], None]:
+    """This rank's step of torch.distributed.pipelining on its sleep stage (gradients zeroed
+    after each), for ``schedule`` ("gpipe" or "1f1b") over ``m`` micro-batches."""
     import torch.distributed as dist
     from torch import nn
     from torch.distributed import pipelining
+
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    layer = nn.Sequential(*list(sleep_stages(k, f, b))[rank : rank + 1])
+    stage = pipelining.PipelineStage(layer, rank, k, torch.device("cpu"))
+    runner = getattr(pipelining, _TORCH[schedule])(stage, m, loss_fn=F.mse_loss)
+    x, y = torch.randn(m, 4), torch.randn(m, 4)
+
+    def step() -> None:
+        if k == 1:
+            runner.step(x, target=y, losses=[])
+        elif rank == 0:
+            runner.step(x)
+        elif rank == k - 1:
+            runner.step(target=y, losses=[])
+        else:
+            runner.step()
+        layer.zero_grad()
+
+    return step
+
+
+def theirs(k: int, f: float, b: float, ms: list[int], steps: int) -> dict[str, Any]:
+    """On every rank: seconds per step of torch.distributed.pipelining, same stages."""
+    import torch.distributed as dist
 
     rank, _ = gd.init()
     out: dict[str, Any] = {}
     for schedule in SCHEDULES:
         for m in ms:
-            torch.manual_seed(0)
-            layer = nn.Sequential(*list(sleep_stages(k, f, b))[rank : rank + 1])
-            stage = pipelining.PipelineStage(layer, rank, k, torch.device("cpu"))
-            runner = getattr(pipelining, _TORCH[schedule])(stage, m, loss_fn=F.mse_loss)
-            x, y = torch.randn(m, 4), torch.randn(m, 4)
+            step_once = torch_step(k, f, b, m, schedule)
             times = []
             for step in range(steps + 1):
                 dist.barrier()
                 began = time.perf_counter()
-                if k == 1:
-                    runner.step(x, target=y, losses=[])
-                elif rank == 0:
-                    runner.step(x)
-                elif rank == k - 1:
-                    runner.step(target=y, losses=[])
-                else:
-                    runner.step()
+                step_once()
                 if step:
                     times.append(time.perf_counter() - began)
-                layer.zero_grad()
             out[f"{schedule}/{m}"] = statistics.median(times)
     return out if rank == 0 else {}
 
