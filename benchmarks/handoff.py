@@ -182,7 +182,10 @@ def run(args: argparse.Namespace) -> None:
     """Measure, then a table and one RESULT line per schedule."""
     k, m, f, b = args.stages, args.microbatches, args.forward_ms, args.backward_ms
     if k < 2 or m < 1 or args.steps < 1 or args.rounds < 1:
-        raise SystemExit("--stages must be at least 2; --microbatches, --steps, --rounds 1")
+        raise SystemExit(
+            f"--stages {k} --microbatches {m} --steps {args.steps} --rounds {args.rounds}: "
+            "give at least 2 stages (a hand-off needs two ranks) and at least 1 of the others"
+        )
     runs = gd.spawn(both, k, k, f, b, m, args.schedules, args.steps, args.rounds, threads=1)[0]
     print(f"K={k} M={m} F={f:g} B={b:g} ms, in turns; medians over every step and rank")
     print(
