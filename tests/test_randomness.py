@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import copy
 import functools
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -245,6 +247,24 @@ def test_only_layers_that_draw_run_on_a_stream() -> None:
         "seeded",
         "plain",
     ]
+
+
+def test_a_worker_owning_every_generator_probes_without_a_dispatch_mode() -> None:
+    # The first dispatch mode a process enters imports torch._dynamo (1.1 s), which landed
+    # in the first forward of every one-stage process; such a worker has nothing to route.
+    script = (
+        "import sys, torch\n"
+        "from torch import nn\n"
+        "from torch.nn import functional as F\n"
+        "from gpipe import GPipe\n"
+        "pipe = GPipe(nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5)), [2], chunks=2)\n"
+        "pipe.train_step(torch.randn(4, 4), torch.randn(4, 4), F.mse_loss)\n"
+        "print(pipe._stages.streams.kind(1, True), 'torch._dynamo' in sys.modules)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert done.stdout.split() == ["seeded", "False"]
 
 
 @pytest.mark.parametrize("checkpoint", ["always", "never"])

@@ -15,8 +15,9 @@ All four draw the same numbers: what the layer draws from default generators see
 its stream.
 
 A layer is probed the first time it runs (per training mode): it runs routed with its own
-generators seeded, and what moved tells its kind; one found to draw on a shared generator is
-then timed routed and held (three runs each), and keeps the cheaper way. Afterwards the
+generators seeded (a worker that owns every generator, alone in its process, has nothing to
+route and runs it as it is), and what moved tells its kind; one found to draw on a shared
+generator is then timed routed and held (three runs each), and keeps the cheaper way. Afterwards the
 default generators are compared before and after each stage forward, so a layer that starts
 drawing (a dropout probability raised from 0) is caught and probed, and the forward redone
 on the streams before anything leaves it. So a recomputation always replays what its forward
@@ -246,17 +247,21 @@ class StageForward:
 
     @contextmanager
     def _probe(self, key: LayerKey, seed: int) -> Iterator[None]:
+        routing: Routing | None = None
         with self._generators.seeded_own(seed):
             own, shared = self._generators.read()
-            with Routing(seed, self._generators.own_names).active() as routing:
+            if self._generators.owns_every_generator():  # nothing to route: no mode
                 yield
+            else:
+                with Routing(seed, self._generators.own_names).active() as routing:
+                    yield
             own_after, shared_after = self._generators.read()
         if shared_after != shared:  # drew on a shared generator, unrouted: redo it held
             self._held_keys.add(key)
             self._must_redo = True
             self._streams._learn(key, self._training, HELD, self._stage, bypassed=True)
             return
-        if not routing.drew:
+        if routing is None or not routing.drew:
             kind = SEEDED if own_after != own else PLAIN
         else:
             kind = ROUTED
