@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -12,6 +13,21 @@ import pytest
 
 ROOT = Path(__file__).parent.parent
 EXAMPLES = ["models.md", "randomness.md"]
+
+
+def _torchrun_scripts() -> list[tuple[str, int, str]]:
+    """The complete torchrun scripts of the README and docs/distributed.md, each as (page,
+    ranks, code): the blocks that name their launch and call ``gd.init()``."""
+    found = []
+    for page in (ROOT / "README.md", ROOT / "docs" / "distributed.md"):
+        for block in re.findall(r"```python\n(.*?)```", page.read_text(), flags=re.DOTALL):
+            launch = re.search(r"torchrun --nproc-per-node (\d+) train\.py", block.split("\n")[0])
+            if launch and "gd.init()" in block:
+                found.append((page.name, int(launch.group(1)), block))
+    return found
+
+
+SCRIPTS = _torchrun_scripts()
 
 
 @pytest.mark.parametrize("page", EXAMPLES)
@@ -38,3 +54,39 @@ def test_docs_site_builds_offline_without_warnings(tmp_path: Path) -> None:
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert (tmp_path / "site" / "api" / "index.html").exists()
+
+
+def test_the_readme_and_the_distributed_page_have_torchrun_scripts() -> None:
+    assert [(page, ranks) for page, ranks, _ in SCRIPTS] == [
+        ("README.md", 2),
+        ("distributed.md", 4),
+    ]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("page", "ranks", "code"), SCRIPTS, ids=[s[0] for s in SCRIPTS])
+def test_the_torchrun_scripts_run_on_hand_launched_ranks(
+    page: str, ranks: int, code: str, tmp_path: Path
+) -> None:
+    # as written, on plain processes with torchrun's variables; each rank must exit 0 on
+    # its own (a ZeRO job once aborted at exit, found by running an example by hand)
+    from ranks import free_port, run_all
+
+    script = tmp_path / "train.py"
+    script.write_text(code)
+    env = dict(
+        os.environ,
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
+        WORLD_SIZE=str(ranks),
+        LOCAL_WORLD_SIZE=str(ranks),
+        OMP_NUM_THREADS="1",
+    )
+    outcomes = run_all(
+        [
+            ([sys.executable, str(script)], dict(env, RANK=str(r), LOCAL_RANK=str(r)))
+            for r in range(ranks)
+        ],
+        timeout=300,
+    )
+    assert [status for status, _ in outcomes] == [0] * ranks, [e[-2000:] for _, e in outcomes]
