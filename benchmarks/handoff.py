@@ -38,9 +38,8 @@ import gpipe.distributed as gd
 from gpipe.analysis import Timeline
 from gpipe.models import latency, sleep_stages
 from gpipe.schedule import BACKWARD, FORWARD
-from latency_distributed import torch_step
+from latency_distributed import SCHEDULES, torch_step
 
-_SCHEDULES = ("gpipe", "1f1b")
 Sleep = tuple[float, int, int]  # (seconds asked, start ns, end ns)
 
 
@@ -244,7 +243,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--stages", type=int, default=4)
     parser.add_argument("--microbatches", type=int, default=16)
-    parser.add_argument("--schedules", nargs="+", default=list(_SCHEDULES), choices=_SCHEDULES)
+    parser.add_argument("--schedules", nargs="+", default=list(SCHEDULES), choices=SCHEDULES)
     parser.add_argument("--forward-ms", type=float, default=10.0)
     parser.add_argument("--backward-ms", type=float, default=20.0)
     parser.add_argument("--steps", type=int, default=4, help="timed steps per turn")

@@ -66,6 +66,26 @@ def run_all(commands: list[tuple[list[str], dict[str, str]]], timeout: float) ->
     return [(p.returncode, error) for p, error in zip(procs, errors)]
 
 
+def run_script(script: str, world: int, timeout: float) -> list[Any]:
+    """Run the Python file ``script`` as ``world`` plain processes with torchrun's variables
+    (nothing to end the others if one fails); each one's ``(returncode, stderr)``."""
+    env = dict(
+        os.environ,
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
+        WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(world),
+        OMP_NUM_THREADS="1",
+    )
+    return run_all(
+        [
+            ([sys.executable, script], dict(env, RANK=str(r), LOCAL_RANK=str(r)))
+            for r in range(world)
+        ],
+        timeout,
+    )
+
+
 def launch(
     target: str,
     world: int,

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from gpipe import GPipe
-from ranks import check, free_port, launch, run_all
+from ranks import check, free_port, launch, run_script
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -125,25 +125,7 @@ def test_a_rank_raising_ends_every_process_quickly_naming_it() -> None:
 def test_hand_launched_ranks_exit_with_status_1_after_a_failure() -> None:
     # plain processes, nothing killing the others and no os._exit: before, a thread left
     # waiting in gloo aborted each process as the interpreter finalized (exit 134)
-    port = free_port()
-    script = str(Path(__file__).parent / "exit_job.py")
-    env = dict(
-        os.environ,
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        WORLD_SIZE="2",
-        OMP_NUM_THREADS="1",
-    )
-    outcomes = run_all(
-        [
-            (
-                [sys.executable, script],
-                dict(env, RANK=str(r), LOCAL_RANK=str(r)),
-            )
-            for r in range(2)
-        ],
-        timeout=90,
-    )
+    outcomes = run_script(str(Path(__file__).parent / "exit_job.py"), 2, timeout=90)
     codes, errors = [code for code, _ in outcomes], [error for _, error in outcomes]
     assert codes == [1, 1], errors
     assert "ValueError: boom on rank 1" in errors[1], errors[1][-2000:]
@@ -156,20 +138,7 @@ def test_hand_launched_ranks_of_a_healthy_zero_job_exit_with_status_0() -> None:
     # gloo works there, which aborted the process (exit 134) in 4 runs of 6 with ZeRO
     script = str(Path(__file__).parent / "zero_exit_job.py")
     for _ in range(2):
-        env = dict(
-            os.environ,
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(free_port()),
-            WORLD_SIZE="4",
-            OMP_NUM_THREADS="1",
-        )
-        outcomes = run_all(
-            [
-                ([sys.executable, script], dict(env, RANK=str(r), LOCAL_RANK=str(r)))
-                for r in range(4)
-            ],
-            timeout=90,
-        )
+        outcomes = run_script(script, 4, timeout=90)
         codes, errors = [code for code, _ in outcomes], [error for _, error in outcomes]
         assert codes == [0, 0, 0, 0], [e[-2000:] for e in errors]
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import subprocess
@@ -10,6 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from ranks import run_script
 
 ROOT = Path(__file__).parent.parent
 EXAMPLES = ["models.md", "randomness.md"]
@@ -70,23 +71,7 @@ def test_the_torchrun_scripts_run_on_hand_launched_ranks(
 ) -> None:
     # as written, on plain processes with torchrun's variables; each rank must exit 0 on
     # its own (a ZeRO job once aborted at exit, found by running an example by hand)
-    from ranks import free_port, run_all
-
     script = tmp_path / "train.py"
     script.write_text(code)
-    env = dict(
-        os.environ,
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(free_port()),
-        WORLD_SIZE=str(ranks),
-        LOCAL_WORLD_SIZE=str(ranks),
-        OMP_NUM_THREADS="1",
-    )
-    outcomes = run_all(
-        [
-            ([sys.executable, str(script)], dict(env, RANK=str(r), LOCAL_RANK=str(r)))
-            for r in range(ranks)
-        ],
-        timeout=300,
-    )
+    outcomes = run_script(str(script), ranks, timeout=300)
     assert [status for status, _ in outcomes] == [0] * ranks, [e[-2000:] for _, e in outcomes]

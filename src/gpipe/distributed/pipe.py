@@ -62,12 +62,7 @@ from gpipe.runtime.routes import Routes
 from gpipe.runtime.stages import StageSet
 from gpipe.runtime.state import Loss, StepState
 from gpipe.runtime.step import Step
-from gpipe.schedule import (
-    FORWARD,
-    Action,
-    Schedule,
-    check_virtual_stages,
-)
+from gpipe.schedule import FORWARD, Action, Schedule, check_virtual_stages
 from gpipe.settings import StepSettings
 from gpipe.skip import has_skippables
 from gpipe.skip import stages as skip_stages

@@ -297,12 +297,8 @@ class P2PTransport:
         for inbound in self._inbound.values():
             inbound.jobs.put(None)
         self._sends.close()
-        if self.failure is not None:
-            return
-        deadline = time.monotonic() + wait
-        for thread in [*(inbound.thread for inbound in self._inbound.values()), self._sends.thread]:
-            if thread is not threading.current_thread():
-                thread.join(max(0.0, deadline - time.monotonic()))
+        if self.failure is None:
+            self._join(wait)
 
     def release(self, grace: float = 2.0) -> None:
         """After a failure, at exit: close this rank's links and let its threads end.
@@ -320,10 +316,15 @@ class P2PTransport:
         for peer in set(self._inbound) | set(self._links):
             with contextlib.suppress(Exception):  # closed, as meant (or already)
                 _Link(self._control, peer).recv(torch.empty(1), _CLOSE_TAG).wait(_AT_ONCE)
-        deadline = time.monotonic() + grace
+        self._join(grace)
+
+    def _join(self, seconds: float) -> None:
+        """Wait (``seconds`` at most in all) for the receiving and sending threads to end."""
+        deadline = time.monotonic() + seconds
         threads = [inbound.thread for inbound in self._inbound.values()]
         for thread in [*threads, self._sends.thread]:
-            thread.join(max(0.0, deadline - time.monotonic()))
+            if thread is not threading.current_thread():
+                thread.join(max(0.0, deadline - time.monotonic()))
 
     # -- pieces ------------------------------------------------------------------------
 

@@ -17,11 +17,11 @@ its stream.
 A layer is probed the first time it runs (per training mode): it runs routed with its own
 generators seeded (a worker that owns every generator, alone in its process, has nothing to
 route and runs it as it is), and what moved tells its kind; one found to draw on a shared
-generator is then timed routed and held (three runs each), and keeps the cheaper way. Afterwards the
-default generators are compared before and after each stage forward, so a layer that starts
-drawing (a dropout probability raised from 0) is caught and probed, and the forward redone
-on the streams before anything leaves it. So a recomputation always replays what its forward
-drew.
+generator is then timed routed and held (three runs each), and keeps the cheaper way.
+Afterwards the default generators are compared before and after each stage forward, so a
+layer that starts drawing (a dropout probability raised from 0) is caught and probed, and the
+forward redone on the streams before anything leaves it. So a recomputation always replays
+what its forward drew.
 """
 
 from __future__ import annotations
