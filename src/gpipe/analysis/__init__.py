@@ -4,6 +4,7 @@ The simulator and the runtime both produce a :class:`Timeline`; the chart, the P
 Perfetto trace draw either one the same way.
 """
 
+from gpipe.analysis.critical import CriticalPath, Link, critical_path
 from gpipe.analysis.formulas import BUBBLE_FORMULAS, bubble_formula, paper_bubble
 from gpipe.analysis.memory import activation_peaks, kept_microbatches
 from gpipe.analysis.search import search
@@ -13,12 +14,15 @@ from gpipe.analysis.timeline import Event, Timeline, Transfer
 __all__ = [
     "BUBBLE_FORMULAS",
     "Costs",
+    "CriticalPath",
     "Event",
+    "Link",
     "Timeline",
     "Transfer",
     "activation_peaks",
     "bubble_formula",
     "costs_from_timeline",
+    "critical_path",
     "kept_microbatches",
     "paper_bubble",
     "search",

@@ -5,9 +5,12 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gpipe.schedule import Action
+
+if TYPE_CHECKING:
+    from gpipe.analysis.critical import CriticalPath
 
 __all__ = ["Event", "Timeline", "Transfer"]
 
@@ -152,6 +155,14 @@ class Timeline:
     def durations(self, kind: str) -> list[list[float]]:
         """Per device, the durations of its actions of ``kind`` ("F", "B" or "W")."""
         return [[e.duration for e in device if e.action.kind == kind] for device in self.events]
+
+    def critical_path(self) -> CriticalPath:
+        """The chain of actions and waits that set this step's length: how much of it went
+        to actions, to the runtime's work between them, and to hand-offs between devices.
+        See :mod:`gpipe.analysis.critical`."""
+        from gpipe.analysis.critical import critical_path
+
+        return critical_path(self)
 
     def __str__(self) -> str:
         """The terminal chart, without colour so the text is the same wherever it goes."""

@@ -1,0 +1,167 @@
+"""The critical path of a step: the chain of actions, and the waits between them, that set
+its length.
+
+Walked back from the action that ended last: each action waited for the latest-ending of
+what it needs, the previous action on its own device or the action that made its input
+(:func:`gpipe.schedule.dependencies`; a dataflow's recorded transfers add the stages that
+sent past their neighbours). The step's length is then the path's actions plus its waits,
+so the waits say where a runtime loses time:
+
+- a **device** wait follows an action on the same device: the runtime's own work between
+  two actions (or a device idling though its next action could run);
+- a **message** wait follows an action on another device: the hand-off, from the end of the
+  action that made a message to the start of the action that used it.
+
+A simulated timeline has no waits unless its cost model has a transfer cost; a measured one
+shows what a runtime adds to the ideal, action by action.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from gpipe.schedule import Action, dependencies
+
+if TYPE_CHECKING:
+    from gpipe.analysis.timeline import Event, Timeline
+
+__all__ = ["CriticalPath", "Link", "critical_path"]
+
+_Key = tuple[str, int, int]  # (kind, stage, micro-batch)
+
+
+@dataclass(frozen=True, slots=True)
+class Link:
+    """One action on the critical path, and what it waited for.
+
+    ``after`` is "start" for the path's first action, "device" when the previous action on
+    its device ended last, "message" when an action on another device (``source``) did;
+    ``wait`` is from that action's end to this one's start.
+    """
+
+    event: Event
+    device: int
+    after: str
+    source: int
+    wait: float
+
+
+@dataclass(frozen=True)
+class CriticalPath:
+    """The critical path of one timeline, first action first."""
+
+    links: list[Link]
+
+    @property
+    def length(self) -> float:
+        """From the path's first action's start to its last action's end."""
+        if not self.links:
+            return 0.0
+        return self.links[-1].event.end - self.links[0].event.start
+
+    @property
+    def compute(self) -> float:
+        """The time in the path's actions."""
+        return sum(link.event.end - link.event.start for link in self.links)
+
+    def waits(self, after: str) -> list[float]:
+        """The waits that followed ``after`` ("device" or "message"), in path order."""
+        return [link.wait for link in self.links if link.after == after]
+
+    @property
+    def device_wait(self) -> float:
+        """The total wait after an action on the same device."""
+        return sum(self.waits("device"))
+
+    @property
+    def message_wait(self) -> float:
+        """The total wait for messages from other devices (the hand-offs)."""
+        return sum(self.waits("message"))
+
+    def __str__(self) -> str:
+        """A summary: how the path's length splits into actions, device waits and hand-offs."""
+        device, message = self.waits("device"), self.waits("message")
+
+        def share(part: float) -> str:
+            return f"{part / self.length:6.1%}" if self.length > 0 else "     -"
+
+        def mean(waits: list[float]) -> str:
+            return f", {sum(waits) / len(waits):.4g} each" if waits else ""
+
+        return "\n".join(
+            [
+                f"critical path: {len(self.links)} actions, {self.length:.4g} long",
+                f"  actions        {self.compute:10.4g}  {share(self.compute)}",
+                f"  device waits   {self.device_wait:10.4g}  {share(self.device_wait)}"
+                f"  ({len(device)}{mean(device)})",
+                f"  hand-offs      {self.message_wait:10.4g}  {share(self.message_wait)}"
+                f"  ({len(message)}{mean(message)})",
+            ]
+        )
+
+
+def critical_path(timeline: Timeline) -> CriticalPath:
+    """The chain of actions and waits that set ``timeline``'s length (see the module doc).
+
+    An action whose producer is missing from the timeline (not recorded) waits on its
+    device only.
+    """
+    where: dict[_Key, tuple[int, Event]] = {}
+    before: dict[tuple[int, int], Event | None] = {}  # (device, index) -> previous event
+    for device, events in enumerate(timeline.events):
+        for i, event in enumerate(events):
+            where[_key(event)] = (device, event)
+            before[device, i] = events[i - 1] if i else None
+    if not where:
+        return CriticalPath([])
+    stages = max(stage for _, stage, _ in where) + 1
+    skips: dict[_Key, set[int]] = {}  # a dataflow's senders beyond the neighbour
+    for transfer in timeline.transfers:
+        if transfer.sender is not None:
+            skips.setdefault((transfer.kind, transfer.stage, transfer.microbatch), set()).add(
+                transfer.sender
+            )
+    index = {id(e): i for events in timeline.events for i, e in enumerate(events)}
+
+    device, event = max(
+        ((d, e) for d, events in enumerate(timeline.events) for e in events[-1:]),
+        key=lambda pair: pair[1].end,
+    )
+    links: list[Link] = []
+    while True:
+        previous = before[device, index[id(event)]]
+        made = [
+            where[key]
+            for key in _inputs(_key(event), stages, skips)
+            if key in where and where[key][1] is not event
+        ]
+        binding = max(made, key=lambda pair: pair[1].end, default=None)
+        if binding is not None and (previous is None or binding[1].end > previous.end):
+            source, producer = binding
+            after = "device" if source == device else "message"
+        elif previous is not None:
+            source, producer, after = device, previous, "device"
+        else:
+            links.append(Link(event, device, "start", device, 0.0))
+            break
+        links.append(Link(event, device, after, source, max(0.0, event.start - producer.end)))
+        device, event = source, producer
+    return CriticalPath(links[::-1])
+
+
+def _key(event: Event) -> _Key:
+    action = event.action
+    return (action.kind, action.stage, action.microbatch)
+
+
+def _inputs(key: _Key, stages: int, skips: dict[_Key, set[int]]) -> list[_Key]:
+    """The actions whose results action ``key`` needs: the schedule's dependencies, and
+    the stages that sent to it past their neighbours (a dataflow's skips)."""
+    kind, stage, mb = key
+    needs = [_key_of(a) for a in dependencies(Action(kind, stage, mb), stages)]
+    return needs + [(kind, sender, mb) for sender in skips.get(key, ())]
+
+
+def _key_of(action: Action) -> _Key:
+    return (action.kind, action.stage, action.microbatch)
