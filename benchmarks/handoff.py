@@ -12,8 +12,10 @@ share, and three costs are read off the notes, the same way for both runtimes:
   start of the sleep that needed it, when that action had to wait for it: the hand-off.
 
 On the critical path of a step each action costs its overrun, and each hand-off its gap or
-its hop, so ``hops x (hop - gap)`` is what the transport adds to a step beyond the runtime's
-per-action work. For ours, the timeline splits a hop into **sending** (the action's end to
+its hop. The critical path itself (:meth:`gpipe.analysis.Timeline.critical_path`, on a
+timeline made of the sleeps, the same for both runtimes) says how many of each a step paid,
+and what they cost there: 1F1B puts many more hand-offs on it than GPipe, whose receivers
+are mostly busy. For ours, the timeline splits a hop into **sending** (the action's end to
 its message posted by the sending thread), **flight** (posted to received by the receiving
 thread) and **receiving** (received to the next action's start).
 
@@ -35,12 +37,14 @@ import torch.distributed as dist
 from torch.nn import functional as F
 
 import gpipe.distributed as gd
-from gpipe.analysis import Timeline
+from gpipe.analysis import Event, Timeline
 from gpipe.models import latency, sleep_stages
-from gpipe.schedule import BACKWARD, FORWARD
+from gpipe.schedule import BACKWARD, FORWARD, Action
 from latency_distributed import SCHEDULES, torch_step
 
 Sleep = tuple[float, int, int]  # (seconds asked, start ns, end ns)
+# the critical path's RESULT keys, and the digits each is printed with
+_PATH_KEYS = (("handoffs", 0), ("handoff_ms", 2), ("waits", 0), ("wait_ms", 2), ("overrun_ms", 2))
 
 
 class _NotingClock:
@@ -157,6 +161,31 @@ def _costs(k: int, f_s: float, sleeps: list[list[Sleep]]) -> tuple[list[float], 
     return overruns, gaps, hops
 
 
+def _path(f_s: float, b_s: float, sleeps: list[list[Sleep]]) -> dict[str, float]:
+    """The critical path of one step, from every rank's sleeps (each sleep an action of
+    stage = rank, its micro-batches in order): its hand-offs and device waits (how many,
+    and milliseconds in all), and its sleeps' overruns (milliseconds in all)."""
+    events = []
+    for rank, notes in enumerate(sleeps):
+        counts = {FORWARD: 0, BACKWARD: 0}
+        mine = []
+        for seconds, start, end in notes:
+            kind = FORWARD if seconds == f_s else BACKWARD
+            mine.append(Event(Action(kind, rank, counts[kind]), start / 1e9, end / 1e9))
+            counts[kind] += 1
+        events.append(mine)
+    path = Timeline(events).critical_path()
+    asked = {FORWARD: f_s, BACKWARD: b_s}
+    return {
+        "handoffs": len(path.waits("message")),
+        "handoff_ms": path.message_wait * 1e3,
+        "waits": len(path.waits("device")),
+        "wait_ms": path.device_wait * 1e3,
+        "overrun_ms": sum(link.event.duration - asked[link.event.kind] for link in path.links)
+        * 1e3,
+    }
+
+
 def both(
     k: int, f: float, b: float, m: int, schedules: list[str], steps: int, rounds: int
 ) -> dict[str, Any]:
@@ -196,9 +225,11 @@ def run(args: argparse.Namespace) -> None:
         figures: dict[str, dict[str, float]] = {}
         for side in ("ours", "torch"):
             steps = runs[f"{schedule}/{side}"]  # per step: every rank's (seconds, sleeps, parts)
-            overruns, gaps, hops, parts = [], [], [], []
+            overruns, gaps, hops, parts, paths = [], [], [], [], []
             for ranks in steps:
-                o, g, h = _costs(k, f / 1e3, [sleeps for _, sleeps, _ in ranks])
+                notes = [sleeps for _, sleeps, _ in ranks]
+                paths.append(_path(f / 1e3, b / 1e3, notes))
+                o, g, h = _costs(k, f / 1e3, notes)
                 overruns += o
                 gaps += g
                 hops += h
@@ -214,6 +245,7 @@ def run(args: argparse.Namespace) -> None:
                     name: _ms([p[i] for p in parts])
                     for i, name in enumerate(("sending", "flight", "receiving"))
                 },
+                **{f"path_{name}": statistics.median(p[name] for p in paths) for name in paths[0]},
             }
             c = figures[side]
             split = (
@@ -226,6 +258,20 @@ def run(args: argparse.Namespace) -> None:
                 f"{c['hop']:6.3f} {c['hops']:9.1f} {split}"
             )
         results.append((schedule, figures))
+    print("\non the critical path (median step): what it paid beyond its sleeps, in ms")
+    print(
+        f"{'schedule':>8} {'side':>6} {'overruns':>8} {'waits':>6} {'each':>6} "
+        f"{'hand-offs':>9} {'each':>6} {'in all':>7}"
+    )
+    for schedule, figures in results:
+        for side, c in figures.items():
+            waits, handoffs = c["path_waits"], c["path_handoffs"]
+            print(
+                f"{schedule:>8} {side:>6} {c['path_overrun_ms']:8.2f} {waits:6.0f} "
+                f"{c['path_wait_ms'] / max(waits, 1):6.3f} {handoffs:9.0f} "
+                f"{c['path_handoff_ms'] / max(handoffs, 1):6.3f} "
+                f"{c['path_overrun_ms'] + c['path_wait_ms'] + c['path_handoff_ms']:7.2f}"
+            )
     for schedule, figures in results:
         ours, theirs = figures["ours"], figures["torch"]
         print(
@@ -235,7 +281,12 @@ def run(args: argparse.Namespace) -> None:
             f"ours_gap_ms={ours['gap']:.3f} torch_gap_ms={theirs['gap']:.3f} "
             f"ours_overrun_ms={ours['overrun']:.3f} torch_overrun_ms={theirs['overrun']:.3f} "
             f"sending_ms={ours['sending']:.3f} flight_ms={ours['flight']:.3f} "
-            f"receiving_ms={ours['receiving']:.3f}"
+            f"receiving_ms={ours['receiving']:.3f} "
+            + " ".join(
+                f"{side}_path_{name}={c[f'path_{name}']:.{digits}f}"
+                for side, c in figures.items()
+                for name, digits in _PATH_KEYS
+            )
         )
 
 
