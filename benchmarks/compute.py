@@ -55,6 +55,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import gpipe.distributed as gd
+from torch_reference import run_step
 
 _TORCH = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
 
@@ -161,10 +162,7 @@ def theirs(name: str, ms: list[int], schedules: list[str], steps: int) -> dict[K
             for step in range(steps + 1):
                 dist.barrier()
                 began = time.perf_counter()
-                if rank == 0:
-                    runner.step(x)
-                else:
-                    runner.step(target=y, losses=[])
+                run_step(runner, rank == 0, rank == world - 1, x, y)
                 if step:
                     times.append(time.perf_counter() - began)
                 stage_module.zero_grad()

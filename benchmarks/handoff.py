@@ -128,43 +128,10 @@ def _hop_parts(timeline: Timeline) -> list[tuple[float, float, float]]:
     return parts
 
 
-def _costs(k: int, f_s: float, sleeps: list[list[Sleep]]) -> tuple[list[float], ...]:
-    """Overruns, gaps and hops (seconds) of one step, from every rank's sleeps.
-
-    The i-th forward sleep of rank r needs the i-th of rank r - 1, and the i-th backward
-    sleep the i-th of rank r + 1: every rank runs its micro-batches in the same order.
-    """
-    made: list[dict[tuple[str, int], int]] = []
-    for notes in sleeps:
-        ends: dict[tuple[str, int], int] = {}
-        counts = {FORWARD: 0, BACKWARD: 0}
-        for seconds, _, end in notes:
-            kind = FORWARD if seconds == f_s else BACKWARD
-            ends[kind, counts[kind]] = end
-            counts[kind] += 1
-        made.append(ends)
-    overruns, gaps, hops = [], [], []
-    for rank, notes in enumerate(sleeps):
-        counts = {FORWARD: 0, BACKWARD: 0}
-        free = None  # when this rank's last sleep ended
-        for seconds, start, end in notes:
-            overruns.append((end - start) / 1e9 - seconds)
-            kind = FORWARD if seconds == f_s else BACKWARD
-            neighbour = rank - 1 if kind == FORWARD else rank + 1
-            ready = made[neighbour].get((kind, counts[kind])) if 0 <= neighbour < k else None
-            counts[kind] += 1
-            if ready is not None and (free is None or ready > free):
-                hops.append((start - ready) / 1e9)
-            elif free is not None:
-                gaps.append((start - free) / 1e9)
-            free = end
-    return overruns, gaps, hops
-
-
-def _path(f_s: float, b_s: float, sleeps: list[list[Sleep]]) -> dict[str, float]:
-    """The critical path of one step, from every rank's sleeps (each sleep an action of
-    stage = rank, its micro-batches in order): its hand-offs and device waits (how many,
-    and milliseconds in all), and its sleeps' overruns (milliseconds in all)."""
+def _sleep_timeline(f_s: float, sleeps: list[list[Sleep]]) -> Timeline:
+    """One step's sleeps as a timeline, the same for both runtimes: rank r's sleeps are
+    stage r's actions, a forward's the ones of ``f_s`` seconds, and every rank runs each
+    kind's micro-batches in order."""
     events = []
     for rank, notes in enumerate(sleeps):
         counts = {FORWARD: 0, BACKWARD: 0}
@@ -174,8 +141,35 @@ def _path(f_s: float, b_s: float, sleeps: list[list[Sleep]]) -> dict[str, float]
             mine.append(Event(Action(kind, rank, counts[kind]), start / 1e9, end / 1e9))
             counts[kind] += 1
         events.append(mine)
-    path = Timeline(events).critical_path()
-    asked = {FORWARD: f_s, BACKWARD: b_s}
+    return Timeline(events)
+
+
+def _costs(timeline: Timeline, asked: dict[str, float]) -> tuple[list[float], ...]:
+    """Overruns, gaps and hops (seconds) of every action of one step's sleep timeline.
+
+    A forward of rank r needs the same micro-batch's forward on rank r - 1, and a backward
+    the backward on rank r + 1.
+    """
+    ends = {e.action: e.end for device in timeline.events for e in device}
+    overruns, gaps, hops = [], [], []
+    for events in timeline.events:
+        free = None  # when this rank's last sleep ended
+        for e in events:
+            overruns.append(e.duration - asked[e.kind])
+            neighbour = e.stage - 1 if e.kind == FORWARD else e.stage + 1
+            ready = ends.get(Action(e.kind, neighbour, e.microbatch)) if neighbour >= 0 else None
+            if ready is not None and (free is None or ready > free):
+                hops.append(e.start - ready)
+            elif free is not None:
+                gaps.append(e.start - free)
+            free = e.end
+    return overruns, gaps, hops
+
+
+def _path(timeline: Timeline, asked: dict[str, float]) -> dict[str, float]:
+    """The critical path of one step's sleep timeline: its hand-offs and device waits (how
+    many, and milliseconds in all), and its sleeps' overruns (milliseconds in all)."""
+    path = timeline.critical_path()
     return {
         "handoffs": len(path.waits("message")),
         "handoff_ms": path.message_wait * 1e3,
@@ -226,10 +220,11 @@ def run(args: argparse.Namespace) -> None:
         for side in ("ours", "torch"):
             steps = runs[f"{schedule}/{side}"]  # per step: every rank's (seconds, sleeps, parts)
             overruns, gaps, hops, parts, paths = [], [], [], [], []
+            asked = {FORWARD: f / 1e3, BACKWARD: b / 1e3}
             for ranks in steps:
-                notes = [sleeps for _, sleeps, _ in ranks]
-                paths.append(_path(f / 1e3, b / 1e3, notes))
-                o, g, h = _costs(k, f / 1e3, notes)
+                timeline = _sleep_timeline(f / 1e3, [sleeps for _, sleeps, _ in ranks])
+                paths.append(_path(timeline, asked))
+                o, g, h = _costs(timeline, asked)
                 overruns += o
                 gaps += g
                 hops += h

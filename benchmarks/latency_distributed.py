@@ -27,6 +27,7 @@ from torch.nn import functional as F
 
 import gpipe.distributed as gd
 from gpipe.models import sleep_stages
+from torch_reference import run_step
 
 SCHEDULES = ("gpipe", "1f1b")
 _TORCH = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
@@ -69,14 +70,7 @@ def torch_step(k: int, f: float, b: float, m: int, schedule: str) -> Callable[[]
     x, y = torch.randn(m, 4), torch.randn(m, 4)
 
     def step() -> None:
-        if k == 1:
-            runner.step(x, target=y, losses=[])
-        elif rank == 0:
-            runner.step(x)
-        elif rank == k - 1:
-            runner.step(target=y, losses=[])
-        else:
-            runner.step()
+        run_step(runner, rank == 0, rank == k - 1, x, y)
         layer.zero_grad()
 
     return step

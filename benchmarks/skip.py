@@ -38,6 +38,7 @@ from torch.nn import functional as F
 import gpipe
 from gpipe.dataflow import INPUT, Stages
 from gpipe.models import UNetConfig, unet
+from torch_reference import run_step
 
 SPLIT_POINTS = ["down.2", "middle", "up.2"]
 STAGES = len(SPLIT_POINTS) + 1
@@ -160,12 +161,7 @@ def _theirs(args: argparse.Namespace) -> float:
     for step in range(args.steps + 1):
         dist.barrier()
         began = time.perf_counter()
-        if rank == 0:
-            runner.step(x)
-        elif rank == STAGES - 1:
-            runner.step(target=target, losses=[])
-        else:
-            runner.step()
+        run_step(runner, rank == 0, rank == STAGES - 1, x, target)
         dist.barrier()
         if step:
             times.append(time.perf_counter() - began)

@@ -24,6 +24,20 @@ _SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "zb-v": "Schedul
 _STAGES_PER_RANK = {"zb-v": 2}
 
 
+def run_step(runner: Any, first: bool, last: bool, x: Any, target: Any) -> None:
+    """One step of a torch.distributed.pipelining schedule on this rank: the rank holding
+    the first stage gives the input, the one holding the last the target (and takes the
+    losses), the others neither."""
+    if first and last:
+        runner.step(x, target=target, losses=[])
+    elif first:
+        runner.step(x)
+    elif last:
+        runner.step(target=target, losses=[])
+    else:
+        runner.step()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -84,14 +98,7 @@ def _stage(rank: int, job: _Job, results: Any) -> None:
                 runner = runners[microbatches]
                 dist.barrier()
                 began = time.perf_counter()
-                if first and last:
-                    runner.step(x, target=target, losses=[])
-                elif first:
-                    runner.step(x)
-                elif last:
-                    runner.step(target=target, losses=[])
-                else:
-                    runner.step()
+                run_step(runner, first, last, x, target)
                 dist.barrier()
                 measured[microbatches].append(time.perf_counter() - began)
                 for submodule in submodules:

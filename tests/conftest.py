@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import gc
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -36,6 +38,15 @@ def reference_step(
     grads = [p.grad.detach().clone() for p in model.parameters()]
     model.zero_grad(set_to_none=True)
     return output.detach(), loss.detach(), grads, x.grad
+
+
+def fresh_python(code: str, timeout: float = 60) -> str:
+    """What ``code`` prints, run in a new interpreter: for what a process loads, or does,
+    the first time (imports, one-time costs), which this test process has long done."""
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, check=True
+    )
+    return done.stdout
 
 
 @pytest.fixture

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import ast
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 import gpipe
+from conftest import fresh_python
 
 ROOT = Path(gpipe.__file__).parent
 
@@ -122,7 +121,4 @@ def test_dependencies_point_down_the_layers() -> None:
 def test_torch_free_modules_do_not_import_torch(name: str) -> None:
     load = "from gpipe.cli import build_parser; build_parser()" if name == "gpipe.cli" else ""
     code = f"import sys, {name}\n{load}\nprint('torch' in sys.modules)"
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
-    )
-    assert out.stdout.strip() == "False", f"{name} loads torch"
+    assert fresh_python(code).strip() == "False", f"{name} loads torch"

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import importlib
-import subprocess
-import sys
 
 import gpipe
+from conftest import fresh_python
 
 
 def test_public_names_resolve_to_functions_even_after_their_modules_load() -> None:
@@ -27,7 +26,4 @@ def test_importing_gpipe_does_not_load_torch_until_needed() -> None:
         "simulate(make_schedule('1f1b', 4, 8))\n"
         "print('torch' in sys.modules)\n"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
-    )
-    assert out.stdout.strip() == "False"
+    assert fresh_python(code).strip() == "False"

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import subprocess
-import sys
 import warnings
 
 import pytest
@@ -14,6 +12,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.testing import assert_close
 
+from conftest import fresh_python
 from gpipe import GPipe
 from gpipe.microbatch import scatter
 from gpipe.models import GPTConfig, SleepLayer, gpt, gpt_loss, synthetic_tokens
@@ -261,10 +260,7 @@ def test_a_worker_owning_every_generator_probes_without_a_dispatch_mode() -> Non
         "pipe.train_step(torch.randn(4, 4), torch.randn(4, 4), F.mse_loss)\n"
         "print(pipe._stages.streams.kind(1, True), 'torch._dynamo' in sys.modules)\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True
-    )
-    assert done.stdout.split() == ["seeded", "False"]
+    assert fresh_python(script, timeout=120).split() == ["seeded", "False"]
 
 
 @pytest.mark.parametrize("checkpoint", ["always", "never"])

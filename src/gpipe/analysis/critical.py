@@ -28,8 +28,6 @@ if TYPE_CHECKING:
 
 __all__ = ["CriticalPath", "Link", "critical_path"]
 
-_Key = tuple[str, int, int]  # (kind, stage, micro-batch)
-
 
 @dataclass(frozen=True, slots=True)
 class Link:
@@ -63,7 +61,7 @@ class CriticalPath:
     @property
     def compute(self) -> float:
         """The time in the path's actions."""
-        return sum(link.event.end - link.event.start for link in self.links)
+        return sum(link.event.duration for link in self.links)
 
     def waits(self, after: str) -> list[float]:
         """The waits that followed ``after`` ("device" or "message"), in path order."""
@@ -107,61 +105,41 @@ def critical_path(timeline: Timeline) -> CriticalPath:
     An action whose producer is missing from the timeline (not recorded) waits on its
     device only.
     """
-    where: dict[_Key, tuple[int, Event]] = {}
-    before: dict[tuple[int, int], Event | None] = {}  # (device, index) -> previous event
-    for device, events in enumerate(timeline.events):
-        for i, event in enumerate(events):
-            where[_key(event)] = (device, event)
-            before[device, i] = events[i - 1] if i else None
+    events = timeline.events
+    where = {e.action: (d, i) for d, device in enumerate(events) for i, e in enumerate(device)}
     if not where:
         return CriticalPath([])
-    stages = max(stage for _, stage, _ in where) + 1
-    skips: dict[_Key, set[int]] = {}  # a dataflow's senders beyond the neighbour
-    for transfer in timeline.transfers:
-        if transfer.sender is not None:
-            skips.setdefault((transfer.kind, transfer.stage, transfer.microbatch), set()).add(
-                transfer.sender
-            )
-    index = {id(e): i for events in timeline.events for i, e in enumerate(events)}
+    stages = max(action.stage for action in where) + 1
+    skips: dict[Action, set[int]] = {}  # a dataflow's senders beyond the neighbour
+    for t in timeline.transfers:
+        if t.sender is not None:
+            skips.setdefault(Action(t.kind, t.stage, t.microbatch), set()).add(t.sender)
 
-    device, event = max(
-        ((d, e) for d, events in enumerate(timeline.events) for e in events[-1:]),
-        key=lambda pair: pair[1].end,
-    )
+    def end(at: tuple[int, int]) -> float:
+        return events[at[0]][at[1]].end
+
+    last = max(((d, len(device) - 1) for d, device in enumerate(events) if device), key=end)
     links: list[Link] = []
+    device, i = last
     while True:
-        previous = before[device, index[id(event)]]
-        made = [
-            where[key]
-            for key in _inputs(_key(event), stages, skips)
-            if key in where and where[key][1] is not event
-        ]
-        binding = max(made, key=lambda pair: pair[1].end, default=None)
-        if binding is not None and (previous is None or binding[1].end > previous.end):
-            source, producer = binding
-            after = "device" if source == device else "message"
-        elif previous is not None:
-            source, producer, after = device, previous, "device"
+        event = events[device][i]
+        made = [where[a] for a in _inputs(event.action, stages, skips) if a in where]
+        binding = max(made, key=end, default=None)
+        if binding is not None and (i == 0 or end(binding) > end((device, i - 1))):
+            after = "device" if binding[0] == device else "message"
+        elif i > 0:
+            after, binding = "device", (device, i - 1)
         else:
             links.append(Link(event, device, "start", device, 0.0))
             break
-        links.append(Link(event, device, after, source, max(0.0, event.start - producer.end)))
-        device, event = source, producer
+        links.append(Link(event, device, after, binding[0], max(0.0, event.start - end(binding))))
+        device, i = binding
     return CriticalPath(links[::-1])
 
 
-def _key(event: Event) -> _Key:
-    action = event.action
-    return (action.kind, action.stage, action.microbatch)
-
-
-def _inputs(key: _Key, stages: int, skips: dict[_Key, set[int]]) -> list[_Key]:
-    """The actions whose results action ``key`` needs: the schedule's dependencies, and
-    the stages that sent to it past their neighbours (a dataflow's skips)."""
-    kind, stage, mb = key
-    needs = [_key_of(a) for a in dependencies(Action(kind, stage, mb), stages)]
-    return needs + [(kind, sender, mb) for sender in skips.get(key, ())]
-
-
-def _key_of(action: Action) -> _Key:
-    return (action.kind, action.stage, action.microbatch)
+def _inputs(action: Action, stages: int, skips: dict[Action, set[int]]) -> list[Action]:
+    """The actions whose results ``action`` needs: the schedule's dependencies, and the
+    stages that sent to it past their neighbours (a dataflow's skips)."""
+    kind, mb = action.kind, action.microbatch
+    senders = skips.get(action, ())
+    return [*dependencies(action, stages), *(Action(kind, s, mb) for s in senders)]
