@@ -122,7 +122,7 @@ class _Outbound:
     numbers: dict[Any, int] = field(default_factory=dict)
     plans: _Plans = field(default_factory=_Plans)
     sent: int = 0
-    # a lone tensor's signature number, by (shape, dtype, requires_grad): the usual message
+    # the signature number of a message of one tensor, by its key (see _single): the usual
     lone: dict[tuple[Any, ...], int] = field(default_factory=dict)
 
 
@@ -348,16 +348,15 @@ class P2PTransport:
         if outbound is None:
             outbound = self._outbound[peer] = _Outbound()
         encoded = None
-        # NOTE: a lone tensor whose signature this channel has numbered skips the tree walk
-        # and the signature's key (25-60 us on the worker, cold after a kernel)
-        lone = (
-            (tuple(value.shape), value.dtype, value.requires_grad)
-            if type(value) is torch.Tensor
-            else None
-        )
+        # NOTE: a message of one tensor (an activation, or an input's gradient in its list)
+        # whose signature this channel has numbered skips the tree walk and the signature's
+        # key: 25-60 us on the worker, cold after a kernel (a gradient took 90 us without)
+        single = _single(value)
+        lone = None if single is None else single[0]
         number = None if lone is None else outbound.lone.get(lone)
         if number is not None:
-            tensors = [value if value.is_contiguous() else value.contiguous()]
+            tensor = single[1]  # type: ignore[index]
+            tensors = [tensor if tensor.is_contiguous() else tensor.contiguous()]
         else:
             signature, tensors = flatten(value)
             signature_key = _signature_key(signature)
@@ -600,6 +599,18 @@ def _link_lost(rank: int, peer: int, error: BaseException) -> Failure:
         f"rank {rank} lost its link to rank {peer} ({text}): that rank died, hung past the "
         "timeout, or its network failed",
     )
+
+
+def _single(value: Any) -> tuple[tuple[Any, ...], torch.Tensor] | None:
+    """A message of one tensor, alone or as a one-element list (a stage input's gradient):
+    its key among a channel's signatures, and the tensor; None for any other message."""
+    if type(value) is torch.Tensor:
+        tensor, boxed = value, False
+    elif type(value) is list and len(value) == 1 and type(value[0]) is torch.Tensor:
+        tensor, boxed = value[0], True
+    else:
+        return None
+    return (boxed, tuple(tensor.shape), tensor.dtype, tensor.requires_grad), tensor
 
 
 def _signature_key(signature: Signature) -> Any:
