@@ -1,9 +1,14 @@
-"""Where a distributed step loses time between actions: ours vs torch.distributed.pipelining.
+"""Where a distributed step loses time between actions: ours, torch.distributed.pipelining, a floor.
 
 The stages are sleep layers (F and B ms), one per process, as in latency_distributed.py, so
-all that is not sleep is the runtime's. Both runtimes run the same stages, in turns, in the
-same processes. Every sleep is noted on the machine's monotonic clock, which all processes
-share, and three costs are read off the notes, the same way for both runtimes:
+all that is not sleep is the runtime's. Three runtimes run the same stages, in turns, in the
+same processes: ours, torch's, and a **floor**, the leanest loop gloo allows: each rank runs
+its action list on its one thread with real autograd, every receive of the step posted
+before its first action and waited for right where it is needed, every send posted at once
+and waited for at the end, no header (the shapes are fixed), no failure handling (a dead
+peer hangs it). It is what this machine's processes and links cost with nothing else
+around them. Every sleep is noted on the machine's monotonic clock, which all processes
+share, and three costs are read off the notes, the same way for every runtime:
 
 - **overrun**: how much longer a sleep took than asked (the OS waking the thread late);
 - **gap**: from the end of one sleep to the start of the next on the same rank, when the
@@ -13,7 +18,7 @@ share, and three costs are read off the notes, the same way for both runtimes:
 
 On the critical path of a step each action costs its overrun, and each hand-off its gap or
 its hop. The critical path itself (:meth:`gpipe.analysis.Timeline.critical_path`, on a
-timeline made of the sleeps, the same for both runtimes) says how many of each a step paid,
+timeline made of the sleeps, the same for every runtime) says how many of each a step paid,
 and what they cost there: 1F1B puts many more hand-offs on it than GPipe, whose receivers
 are mostly busy. For ours, the timeline splits a hop into **sending** (the action's end to
 its message posted by the sending thread), **flight** (posted to received by the receiving
@@ -39,12 +44,19 @@ from torch.nn import functional as F
 import gpipe.distributed as gd
 from gpipe.analysis import Event, Timeline
 from gpipe.models import latency, sleep_stages
-from gpipe.schedule import BACKWARD, FORWARD, Action
+from gpipe.schedule import BACKWARD, FORWARD, Action, make_schedule
 from latency_distributed import SCHEDULES, torch_step
 
 Sleep = tuple[float, int, int]  # (seconds asked, start ns, end ns)
 # the critical path's RESULT keys, and the digits each is printed with
 _PATH_KEYS = (("handoffs", 0), ("handoff_ms", 2), ("waits", 0), ("wait_ms", 2), ("overrun_ms", 2))
+# each runtime's step figures in RESULT: (key, figure, digits)
+_STEP_KEYS = (
+    ("ms", "step", 1),
+    ("hop_ms", "hop", 3),
+    ("gap_ms", "gap", 3),
+    ("overrun_ms", "overrun", 3),
+)
 
 
 class _NotingClock:
@@ -99,6 +111,47 @@ def _ours(k: int, f: float, b: float, m: int, schedule: str, steps: int) -> list
 def _theirs(k: int, f: float, b: float, m: int, schedule: str, steps: int) -> list[Any]:
     """Per timed step: (step seconds, this rank's sleeps, None)."""
     return _timed(torch_step(k, f, b, m, schedule), steps, lambda: None)
+
+
+def _floor(k: int, f: float, b: float, m: int, schedule: str, steps: int) -> list[Any]:
+    """Per timed step: (step seconds, this rank's sleeps, None), of the floor loop."""
+    rank = dist.get_rank()
+    layer = sleep_stages(k, f, b)[rank]
+    actions = make_schedule(schedule, k, m).actions[rank]
+    x, y = torch.randn(m, 4), torch.randn(m, 4)
+
+    def step() -> None:
+        # every receive of the step, posted now: (kind, micro-batch) -> (buffer, work)
+        posted = {}
+        for action in actions:
+            peer = rank - 1 if action.kind == FORWARD else rank + 1
+            if 0 <= peer < k:
+                buffer = torch.empty(1, 4)
+                posted[action.kind, action.microbatch] = (buffer, dist.irecv(buffer, peer))
+        sends, inputs, roots = [], {}, {}
+        for action in actions:
+            i, message = action.microbatch, posted.get((action.kind, action.microbatch))
+            if message is not None:
+                message[1].wait()
+            if action.kind == FORWARD:
+                given = x[i : i + 1] if message is None else message[0].requires_grad_()
+                output = layer(given)
+                inputs[i] = given
+                if rank < k - 1:
+                    sends.append(dist.isend(output.detach(), rank + 1))
+                    roots[i] = output
+                else:
+                    roots[i] = F.mse_loss(output, y[i : i + 1])
+            else:
+                torch.autograd.backward(roots.pop(i), None if message is None else message[0])
+                given = inputs.pop(i)
+                if rank > 0:
+                    sends.append(dist.isend(given.grad, rank - 1))
+        for work in sends:
+            work.wait()
+        layer.zero_grad()
+
+    return _timed(step, steps, lambda: None)
 
 
 def _hop_parts(timeline: Timeline) -> list[tuple[float, float, float]]:
@@ -180,15 +233,19 @@ def _path(timeline: Timeline, asked: dict[str, float]) -> dict[str, float]:
     }
 
 
+# the runtimes measured, in the order they take turns
+SIDES = {"ours": _ours, "torch": _theirs, "floor": _floor}
+
+
 def both(
     k: int, f: float, b: float, m: int, schedules: list[str], steps: int, rounds: int
 ) -> dict[str, Any]:
-    """On every rank: ours and torch's in turns; rank 0 returns every rank's notes."""
+    """On every rank: each runtime in turns; rank 0 returns every rank's notes."""
     gd.init()
     runs: dict[str, list[Any]] = {}
     for _ in range(rounds):
         for schedule in schedules:
-            for side, run in (("ours", _ours), ("torch", _theirs)):
+            for side, run in SIDES.items():
                 mine = run(k, f, b, m, schedule, steps)
                 gathered: list[Any] = [None] * k
                 dist.all_gather_object(gathered, mine)
@@ -217,7 +274,7 @@ def run(args: argparse.Namespace) -> None:
     results = []
     for schedule in args.schedules:
         figures: dict[str, dict[str, float]] = {}
-        for side in ("ours", "torch"):
+        for side in SIDES:
             steps = runs[f"{schedule}/{side}"]  # per step: every rank's (seconds, sleeps, parts)
             overruns, gaps, hops, parts, paths = [], [], [], [], []
             asked = {FORWARD: f / 1e3, BACKWARD: b / 1e3}
@@ -267,15 +324,17 @@ def run(args: argparse.Namespace) -> None:
                 f"{c['path_handoff_ms'] / max(handoffs, 1):6.3f} "
                 f"{c['path_overrun_ms'] + c['path_wait_ms'] + c['path_handoff_ms']:7.2f}"
             )
+    ideal = (m + k - 1) * (f + b)
     for schedule, figures in results:
-        ours, theirs = figures["ours"], figures["torch"]
+        ours = figures["ours"]
         print(
-            f"RESULT schedule={schedule} stages={k} microbatches={m} "
-            f"ours_ms={ours['step']:.1f} torch_ms={theirs['step']:.1f} "
-            f"ours_hop_ms={ours['hop']:.3f} torch_hop_ms={theirs['hop']:.3f} "
-            f"ours_gap_ms={ours['gap']:.3f} torch_gap_ms={theirs['gap']:.3f} "
-            f"ours_overrun_ms={ours['overrun']:.3f} torch_overrun_ms={theirs['overrun']:.3f} "
-            f"sending_ms={ours['sending']:.3f} flight_ms={ours['flight']:.3f} "
+            f"RESULT schedule={schedule} stages={k} microbatches={m} ideal_ms={ideal:.1f} "
+            + " ".join(
+                f"{side}_{name}={c[key]:.{digits}f}"
+                for side, c in figures.items()
+                for name, key, digits in _STEP_KEYS
+            )
+            + f" sending_ms={ours['sending']:.3f} flight_ms={ours['flight']:.3f} "
             f"receiving_ms={ours['receiving']:.3f} "
             + " ".join(
                 f"{side}_path_{name}={c[f'path_{name}']:.{digits}f}"
