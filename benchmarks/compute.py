@@ -55,9 +55,8 @@ from torch import nn
 from torch.nn import functional as F
 
 import gpipe.distributed as gd
-from torch_reference import run_step
-
-_TORCH = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
+from latency_distributed import SCHEDULES
+from torch_reference import TORCH_SCHEDULES, run_step
 
 
 def transformer() -> nn.Sequential:
@@ -157,7 +156,7 @@ def theirs(name: str, ms: list[int], schedules: list[str], steps: int) -> dict[K
             per = len(model) // world
             stage_module = nn.Sequential(*list(model)[rank * per : (rank + 1) * per])
             stage = pipelining.PipelineStage(stage_module, rank, world, torch.device("cpu"))
-            runner = getattr(pipelining, _TORCH[schedule])(stage, m, loss_fn=F.mse_loss)
+            runner = getattr(pipelining, TORCH_SCHEDULES[schedule])(stage, m, loss_fn=F.mse_loss)
             times = []
             for step in range(steps + 1):
                 dist.barrier()
@@ -383,7 +382,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--distributed", action="store_true", help="run the 2-process pipeline")
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
-    parser.add_argument("--schedules", nargs="+", default=["gpipe", "1f1b"], choices=list(_TORCH))
+    parser.add_argument("--schedules", nargs="+", default=list(SCHEDULES), choices=SCHEDULES)
     parser.add_argument("--microbatches", type=int, nargs="+", default=[8])
     parser.add_argument("--steps", type=int, default=5, help="timed steps per turn")
     parser.add_argument(

@@ -126,7 +126,7 @@ def _floor(k: int, f: float, b: float, m: int, schedule: str, steps: int) -> lis
         for action in actions:
             peer = rank - 1 if action.kind == FORWARD else rank + 1
             if 0 <= peer < k:
-                buffer = torch.empty(1, 4)
+                buffer = torch.empty_like(x[:1])  # a micro-batch's message
                 posted[action.kind, action.microbatch] = (buffer, dist.irecv(buffer, peer))
         sends, inputs, roots = [], {}, {}
         for action in actions:

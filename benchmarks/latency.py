@@ -233,7 +233,7 @@ def main() -> None:
         if case.v > 1:
             fields["virtual_stages"] = case.v
         reference = None
-        if not args.no_torch and case.schedule in torch_reference._SCHEDULES:
+        if not args.no_torch and case.schedule in torch_reference.TORCH_SCHEDULES:
             reference = torch_ms(case, args.steps)
             fields["torch_ms"] = f"{reference:.1f}"
             fields["speedup_vs_torch"] = f"{reference / measured:.3f}"

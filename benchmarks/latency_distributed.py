@@ -27,10 +27,9 @@ from torch.nn import functional as F
 
 import gpipe.distributed as gd
 from gpipe.models import sleep_stages
-from torch_reference import run_step
+from torch_reference import TORCH_SCHEDULES, run_step
 
 SCHEDULES = ("gpipe", "1f1b")
-_TORCH = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
 
 
 def ours(k: int, f: float, b: float, ms: list[int], steps: int) -> dict[str, Any]:
@@ -66,7 +65,7 @@ def torch_step(k: int, f: float, b: float, m: int, schedule: str) -> Callable[[]
     torch.manual_seed(0)
     layer = nn.Sequential(*list(sleep_stages(k, f, b))[rank : rank + 1])
     stage = pipelining.PipelineStage(layer, rank, k, torch.device("cpu"))
-    runner = getattr(pipelining, _TORCH[schedule])(stage, m, loss_fn=F.mse_loss)
+    runner = getattr(pipelining, TORCH_SCHEDULES[schedule])(stage, m, loss_fn=F.mse_loss)
     x, y = torch.randn(m, 4), torch.randn(m, 4)
 
     def step() -> None:

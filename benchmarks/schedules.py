@@ -204,7 +204,7 @@ def predicted_bytes(schedule: Schedule, layers: Profile) -> list[float]:
 
 def torch_ms(name: str, k: int, m: int, layer_ms: float, steps: int) -> float | None:
     """Median ms per step of torch.distributed.pipelining, where it has the schedule."""
-    if name not in torch_reference._SCHEDULES:
+    if name not in torch_reference.TORCH_SCHEDULES:
         return None
     balance = [1] * (2 * k) if name == "zb-v" else [2] * k
     times = torch_reference.step_times(

@@ -19,7 +19,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "zb-v": "ScheduleZBVZeroBubble"}
+# our schedule names -> torch.distributed.pipelining's schedule classes, where it has one
+TORCH_SCHEDULES = {
+    "gpipe": "ScheduleGPipe",
+    "1f1b": "Schedule1F1B",
+    "zb-v": "ScheduleZBVZeroBubble",
+}
 # Stages each rank holds; zb-v's two sit in a V: rank r holds stages r and 2K-1-r.
 _STAGES_PER_RANK = {"zb-v": 2}
 
@@ -86,7 +91,7 @@ def _stage(rank: int, job: _Job, results: Any) -> None:
                 pipelining.PipelineStage(submodule, index, count, torch.device("cpu"))
                 for submodule, index in zip(submodules, held)
             ]
-            return getattr(pipelining, _SCHEDULES[job.schedule])(
+            return getattr(pipelining, TORCH_SCHEDULES[job.schedule])(
                 stages[0] if len(stages) == 1 else stages, microbatches, loss_fn=job.loss_fn
             )
 

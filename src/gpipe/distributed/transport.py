@@ -123,7 +123,7 @@ class _Outbound:
     plans: _Plans = field(default_factory=_Plans)
     sent: int = 0
     # the signature number of a message of one tensor, by its key (see _single): the usual
-    lone: dict[tuple[Any, ...], int] = field(default_factory=dict)
+    single: dict[tuple[Any, ...], int] = field(default_factory=dict)
 
 
 class P2PTransport:
@@ -351,11 +351,10 @@ class P2PTransport:
         # NOTE: a message of one tensor (an activation, or an input's gradient in its list)
         # whose signature this channel has numbered skips the tree walk and the signature's
         # key: 25-60 us on the worker, cold after a kernel (a gradient took 90 us without)
-        single = _single(value)
-        lone = None if single is None else single[0]
-        number = None if lone is None else outbound.lone.get(lone)
-        if number is not None:
-            tensor = single[1]  # type: ignore[index]
+        single = _single(value)  # (key, tensor), or None
+        number = None if single is None else outbound.single.get(single[0])
+        if single is not None and number is not None:
+            tensor = single[1]
             tensors = [tensor if tensor.is_contiguous() else tensor.contiguous()]
         else:
             signature, tensors = flatten(value)
@@ -365,8 +364,8 @@ class P2PTransport:
                 number = outbound.numbers[signature_key] = len(outbound.numbers)
                 outbound.plans.layouts.append(_layout(signature))
                 encoded = encode(signature)
-            if lone is not None:
-                outbound.lone[lone] = number
+            if single is not None:
+                outbound.single[single[0]] = number
         j, outbound.sent = outbound.sent, outbound.sent + 1
         predicted = outbound.plans.predict(self._key, j)
         outbound.plans.note(self._key, j, number)

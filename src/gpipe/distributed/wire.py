@@ -101,15 +101,14 @@ def rebuild(signature: Signature, tensors: list[torch.Tensor]) -> Any:
     Tensors that needed a gradient on the sending side need one here too: they are the
     leaves this stage's backward differentiates with respect to.
     """
-    spec = signature.spec
-    if len(signature.leaves) == 1 and signature.leaves[0][0] == "t":
+    leaves, spec = signature.leaves, signature.spec
+    if len(leaves) == 1 and leaves[0][0] == "t":
         # NOTE: the usual messages, a lone tensor (an activation) or a list of one (its
         # gradient): no tree to rebuild (on every hand-off)
-        tensor = tensors[0].requires_grad_(signature.leaves[0][3])
         if spec.is_leaf():
-            return tensor
+            return tensors[0].requires_grad_(leaves[0][3])
         if spec.type is list and spec.num_children == 1:
-            return [tensor]
+            return [tensors[0].requires_grad_(leaves[0][3])]
     received = iter(tensors)
     flat = []
     for leaf in signature.leaves:
