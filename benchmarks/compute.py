@@ -40,6 +40,17 @@ batch, with the step time and per rank the bytes of model state (weights, gradie
 AdamW's two moments) and the peak resident memory of the process:
 
     python benchmarks/compute.py --distributed --dp 2 --pp 2
+
+With ``--layers`` it asks where a 2-stage pipeline's shortfall goes: each rank times every
+forward of its two transformer layers (wall and the thread's own CPU time, by forward
+hooks), run three ways in turns in the same two processes: the rank's stage alone, forward
+and backward micro-batch by micro-batch with both ranks busy at once (the work a stage
+does, without a pipeline around it), inside ours (1F1B), and inside torch's Schedule1F1B.
+A layer that costs more CPU inside a pipeline than alone is slower for reasons of the
+pipeline's making (what runs between its calls, fresh inputs from the network), not for
+waiting:
+
+    python benchmarks/compute.py --distributed --layers
 """
 
 from __future__ import annotations
@@ -305,6 +316,119 @@ def run_layouts(args: argparse.Namespace) -> None:
     )
 
 
+def _timed_forwards(layers: list[nn.Module], out: list[tuple[float, float]]) -> None:
+    """Append (wall s, thread CPU s) of every forward of ``layers`` to ``out``."""
+
+    def before(module: nn.Module, _: Any) -> None:
+        module._gpipe_began = (time.perf_counter(), time.thread_time())  # type: ignore[assignment]
+
+    def after(module: nn.Module, _: Any, __: Any) -> None:
+        wall, cpu = module._gpipe_began  # type: ignore[misc]
+        out.append((time.perf_counter() - wall, time.thread_time() - cpu))
+
+    for layer in layers:
+        layer.register_forward_pre_hook(before)
+        layer.register_forward_hook(after)
+
+
+def layer_costs(m: int, steps: int, rounds: int) -> dict[str, tuple[float, float]]:
+    """On every rank: the median (wall s, CPU s) of one forward of this rank's layers,
+    alone ("alone"), inside ours ("ours") and inside torch's 1F1B ("torch"), in turns."""
+    import torch.distributed as dist
+    from torch.distributed import pipelining
+
+    torch.set_num_threads(1)
+    rank, world = gd.init()
+    x, y = _batch(MODELS["transformer"][1])
+    per = len(transformer()) // world
+    timed: dict[str, list[tuple[float, float]]] = {"alone": [], "ours": [], "torch": []}
+
+    def mine(model: nn.Sequential) -> list[nn.Module]:
+        return list(model)[rank * per : (rank + 1) * per]
+
+    def alone() -> None:
+        stage = nn.Sequential(*mine(transformer()))
+        _timed_forwards(list(stage), timed["alone"])
+        for step in range(steps + 1):
+            dist.barrier()
+            for xs, ys in zip(x.tensor_split(m), y.tensor_split(m)):
+                out = stage(xs.detach().requires_grad_(rank > 0))
+                if rank == world - 1:
+                    (F.mse_loss(out, ys) / m).backward()
+                else:
+                    out.backward(torch.ones_like(out))
+            if not step:  # the warm-up step's calls
+                del timed["alone"][-m * per :]
+
+    def ours() -> None:
+        model = transformer()
+        pipe = gd.DistributedGPipe(
+            model, [per] * world, chunks=m, schedule="1f1b", checkpoint="never"
+        )
+        calls: list[tuple[float, float]] = []
+        _timed_forwards(mine(model), calls)
+        for step in range(steps + 1):
+            pipe.train_step(x, y, F.mse_loss)
+            pipe.zero_grad()
+            if not step:
+                calls.clear()
+        timed["ours"] += calls
+        pipe.close()
+
+    def theirs() -> None:
+        stage = nn.Sequential(*mine(transformer()))
+        runner = pipelining.Schedule1F1B(
+            pipelining.PipelineStage(stage, rank, world, torch.device("cpu")), m, loss_fn=F.mse_loss
+        )
+        calls: list[tuple[float, float]] = []
+        _timed_forwards(list(stage), calls)
+        for step in range(steps + 1):
+            dist.barrier()
+            run_step(runner, rank == 0, rank == world - 1, x, y)
+            stage.zero_grad()
+            if not step:
+                calls.clear()
+        timed["torch"] += calls
+
+    for _ in range(rounds):
+        for side in (alone, ours, theirs):
+            dist.barrier()
+            side()
+    return {
+        side: (statistics.median(w for w, _ in calls), statistics.median(c for _, c in calls))
+        for side, calls in timed.items()
+    }
+
+
+def run_layers(args: argparse.Namespace) -> None:
+    """Each rank's layer forward alone, inside ours and inside torch's: a table and RESULT."""
+    m = args.microbatches[0]
+    ranks = gd.spawn(layer_costs, 2, m, args.steps, args.rounds, threads=1)
+    print(
+        f"transformer (4 layers, d=256, batch 64), 2 processes x 1 thread, M={m}, 1f1b; one "
+        "layer forward, median over every call (--rounds "
+        f"{args.rounds}, --steps {args.steps}); alone: the rank's stage micro-batch by "
+        "micro-batch, both ranks at once"
+    )
+    print(f"{'rank':>4} {'side':>6} {'wall ms':>8} {'cpu ms':>7} {'cpu / alone':>12}")
+    for rank in sorted(ranks):
+        cells = ranks[rank]
+        for side in ("alone", "ours", "torch"):
+            wall, cpu = cells[side]
+            share = cpu / cells["alone"][1]
+            print(f"{rank:>4} {side:>6} {wall * 1e3:8.3f} {cpu * 1e3:7.3f} {share:12.3f}")
+    mean = {
+        side: statistics.mean(ranks[r][side][1] for r in ranks)
+        for side in ("alone", "ours", "torch")
+    }
+    print(
+        f"RESULT layers=1 microbatches={m} alone_cpu_ms={mean['alone'] * 1e3:.3f} "
+        f"ours_cpu_ms={mean['ours'] * 1e3:.3f} torch_cpu_ms={mean['torch'] * 1e3:.3f} "
+        f"ours_over_alone={mean['ours'] / mean['alone']:.3f} "
+        f"torch_over_alone={mean['torch'] / mean['alone']:.3f}"
+    )
+
+
 def run(args: argparse.Namespace) -> None:
     """The layouts, or the grid in turns in one launch: a table, then one RESULT line per cell."""
     if not args.distributed:
@@ -318,6 +442,9 @@ def run(args: argparse.Namespace) -> None:
                 "has 4 layers)"
             )
         run_layouts(args)
+        return
+    if args.layers:
+        run_layers(args)
         return
     measured = gd.spawn(
         both,
@@ -391,6 +518,9 @@ def main() -> None:
     parser.add_argument("--no-torch", action="store_true", help="skip torch.distributed.pipelining")
     parser.add_argument("--dp", type=int, default=0, help="replicas (with --pp): layouts mode")
     parser.add_argument("--pp", type=int, default=0, help="pipeline stages (with --dp)")
+    parser.add_argument(
+        "--layers", action="store_true", help="a layer's forward alone vs inside each pipeline"
+    )
     run(parser.parse_args())
 
 

@@ -28,6 +28,7 @@ HELPERS = {"torch_reference", "host"}  # imported by the others; print nothing o
 VARIANTS = {
     "compute": ("compute", ["--distributed", "--steps", "15"]),
     "compute_layouts": ("compute", ["--distributed", "--dp", "2", "--pp", "2"]),
+    "compute_layers": ("compute", ["--distributed", "--layers"]),
     "latency_distributed": (
         "latency_distributed",
         ["--stages", "2", "4", "--microbatches", "8", "16"],
