@@ -59,6 +59,7 @@ import argparse
 import resource
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -67,7 +68,7 @@ from torch.nn import functional as F
 
 import gpipe.distributed as gd
 from latency_distributed import SCHEDULES
-from torch_reference import TORCH_SCHEDULES, run_step
+from torch_reference import run_step, torch_runner
 
 
 def transformer() -> nn.Sequential:
@@ -155,7 +156,6 @@ def ours(name: str, ms: list[int], schedules: list[str], steps: int) -> dict[Key
 def theirs(name: str, ms: list[int], schedules: list[str], steps: int) -> dict[Key, float]:
     """On every rank: seconds per step of torch.distributed.pipelining (rank 0's)."""
     import torch.distributed as dist
-    from torch.distributed import pipelining
 
     rank, world = gd.init()
     build, shape = MODELS[name]
@@ -166,8 +166,7 @@ def theirs(name: str, ms: list[int], schedules: list[str], steps: int) -> dict[K
             model = build()
             per = len(model) // world
             stage_module = nn.Sequential(*list(model)[rank * per : (rank + 1) * per])
-            stage = pipelining.PipelineStage(stage_module, rank, world, torch.device("cpu"))
-            runner = getattr(pipelining, TORCH_SCHEDULES[schedule])(stage, m, loss_fn=F.mse_loss)
+            runner = torch_runner(stage_module, rank, world, schedule, m, F.mse_loss)
             times = []
             for step in range(steps + 1):
                 dist.barrier()
@@ -316,84 +315,91 @@ def run_layouts(args: argparse.Namespace) -> None:
     )
 
 
-def _timed_forwards(layers: list[nn.Module], out: list[tuple[float, float]]) -> None:
-    """Append (wall s, thread CPU s) of every forward of ``layers`` to ``out``."""
+def _forward_costs(
+    layers: list[nn.Module], step: Callable[[], None], steps: int
+) -> list[tuple[float, float]]:
+    """(wall s, thread CPU s) of every forward of ``layers`` over ``steps`` calls of
+    ``step`` after a warm-up call, timed by forward hooks removed afterwards."""
+    calls: list[tuple[float, float]] = []
+    began: list[tuple[float, float]] = []  # the running layer's start (layers never nest)
 
-    def before(module: nn.Module, _: Any) -> None:
-        module._gpipe_began = (time.perf_counter(), time.thread_time())  # type: ignore[assignment]
+    def before(*_: Any) -> None:
+        began.append((time.perf_counter(), time.thread_time()))
 
-    def after(module: nn.Module, _: Any, __: Any) -> None:
-        wall, cpu = module._gpipe_began  # type: ignore[misc]
-        out.append((time.perf_counter() - wall, time.thread_time() - cpu))
+    def after(*_: Any) -> None:
+        wall, cpu = began.pop()
+        calls.append((time.perf_counter() - wall, time.thread_time() - cpu))
 
-    for layer in layers:
-        layer.register_forward_pre_hook(before)
-        layer.register_forward_hook(after)
+    hooks = [h for layer in layers for h in (layer.register_forward_pre_hook(before),
+                                             layer.register_forward_hook(after))]  # fmt: skip
+    step()
+    calls.clear()
+    for _ in range(steps):
+        step()
+    for hook in hooks:
+        hook.remove()
+    return calls
 
 
 def layer_costs(m: int, steps: int, rounds: int) -> dict[str, tuple[float, float]]:
     """On every rank: the median (wall s, CPU s) of one forward of this rank's layers,
     alone ("alone"), inside ours ("ours") and inside torch's 1F1B ("torch"), in turns."""
     import torch.distributed as dist
-    from torch.distributed import pipelining
 
     torch.set_num_threads(1)
     rank, world = gd.init()
     x, y = _batch(MODELS["transformer"][1])
     per = len(transformer()) // world
-    timed: dict[str, list[tuple[float, float]]] = {"alone": [], "ours": [], "torch": []}
+    last = rank == world - 1
 
     def mine(model: nn.Sequential) -> list[nn.Module]:
         return list(model)[rank * per : (rank + 1) * per]
 
-    def alone() -> None:
+    def alone() -> list[tuple[float, float]]:
         stage = nn.Sequential(*mine(transformer()))
-        _timed_forwards(list(stage), timed["alone"])
-        for step in range(steps + 1):
+
+        def step() -> None:
             dist.barrier()
             for xs, ys in zip(x.tensor_split(m), y.tensor_split(m)):
                 out = stage(xs.detach().requires_grad_(rank > 0))
-                if rank == world - 1:
+                if last:
                     (F.mse_loss(out, ys) / m).backward()
                 else:
                     out.backward(torch.ones_like(out))
-            if not step:  # the warm-up step's calls
-                del timed["alone"][-m * per :]
 
-    def ours() -> None:
+        return _forward_costs(list(stage), step, steps)
+
+    def ours() -> list[tuple[float, float]]:
         model = transformer()
         pipe = gd.DistributedGPipe(
             model, [per] * world, chunks=m, schedule="1f1b", checkpoint="never"
         )
-        calls: list[tuple[float, float]] = []
-        _timed_forwards(mine(model), calls)
-        for step in range(steps + 1):
+
+        def step() -> None:
             pipe.train_step(x, y, F.mse_loss)
             pipe.zero_grad()
-            if not step:
-                calls.clear()
-        timed["ours"] += calls
+
+        calls = _forward_costs(mine(model), step, steps)
         pipe.close()
+        return calls
 
-    def theirs() -> None:
+    def theirs() -> list[tuple[float, float]]:
         stage = nn.Sequential(*mine(transformer()))
-        runner = pipelining.Schedule1F1B(
-            pipelining.PipelineStage(stage, rank, world, torch.device("cpu")), m, loss_fn=F.mse_loss
-        )
-        calls: list[tuple[float, float]] = []
-        _timed_forwards(list(stage), calls)
-        for step in range(steps + 1):
-            dist.barrier()
-            run_step(runner, rank == 0, rank == world - 1, x, y)
-            stage.zero_grad()
-            if not step:
-                calls.clear()
-        timed["torch"] += calls
+        runner = torch_runner(stage, rank, world, "1f1b", m, F.mse_loss)
 
-    for _ in range(rounds):
-        for side in (alone, ours, theirs):
+        def step() -> None:
             dist.barrier()
-            side()
+            run_step(runner, rank == 0, last, x, y)
+            stage.zero_grad()
+
+        return _forward_costs(list(stage), step, steps)
+
+    sides = {"alone": alone, "ours": ours, "torch": theirs}
+    timed: dict[str, list[tuple[float, float]]] = {side: [] for side in sides}
+    for _ in range(rounds):
+        for side, measure in sides.items():
+            dist.barrier()
+            timed[side] += measure()
     return {
         side: (statistics.median(w for w, _ in calls), statistics.median(c for _, c in calls))
         for side, calls in timed.items()

@@ -27,7 +27,7 @@ from torch.nn import functional as F
 
 import gpipe.distributed as gd
 from gpipe.models import sleep_stages
-from torch_reference import TORCH_SCHEDULES, run_step
+from torch_reference import run_step, torch_runner
 
 SCHEDULES = ("gpipe", "1f1b")
 
@@ -59,13 +59,11 @@ def torch_step(k: int, f: float, b: float, m: int, schedule: str) -> Callable[[]
     after each), for ``schedule`` ("gpipe" or "1f1b") over ``m`` micro-batches."""
     import torch.distributed as dist
     from torch import nn
-    from torch.distributed import pipelining
 
     rank = dist.get_rank()
     torch.manual_seed(0)
     layer = nn.Sequential(*list(sleep_stages(k, f, b))[rank : rank + 1])
-    stage = pipelining.PipelineStage(layer, rank, k, torch.device("cpu"))
-    runner = getattr(pipelining, TORCH_SCHEDULES[schedule])(stage, m, loss_fn=F.mse_loss)
+    runner = torch_runner(layer, rank, k, schedule, m, F.mse_loss)
     x, y = torch.randn(m, 4), torch.randn(m, 4)
 
     def step() -> None:

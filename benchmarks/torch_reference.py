@@ -29,6 +29,17 @@ TORCH_SCHEDULES = {
 _STAGES_PER_RANK = {"zb-v": 2}
 
 
+def torch_runner(
+    module: nn.Module, rank: int, world: int, schedule: str, microbatches: int, loss_fn: Callable
+) -> Any:
+    """torch.distributed.pipelining's runner of ``schedule`` for this rank's one stage,
+    ``module``, of a ``world``-stage pipeline on CPU (a process group already set up)."""
+    from torch.distributed import pipelining
+
+    stage = pipelining.PipelineStage(module, rank, world, torch.device("cpu"))
+    return getattr(pipelining, TORCH_SCHEDULES[schedule])(stage, microbatches, loss_fn=loss_fn)
+
+
 def run_step(runner: Any, first: bool, last: bool, x: Any, target: Any) -> None:
     """One step of a torch.distributed.pipelining schedule on this rank: the rank holding
     the first stage gives the input, the one holding the last the target (and takes the
