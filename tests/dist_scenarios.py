@@ -160,6 +160,26 @@ def structures(schedule: str) -> Any:
     return results
 
 
+def structures_batched(schedule: str) -> Any:
+    """:func:`structures` with every message of several tensors sent and received as one
+    ``batch_isend_irecv`` batch (what NCCL does), here on gloo; and how many batches ran."""
+    from gpipe.distributed import transport
+
+    batches = []
+    batch = dist.batch_isend_irecv
+
+    def counted(ops: list[dist.P2POp]) -> list[Any]:
+        batches.append(len(ops))
+        return batch(ops)
+
+    transport.BATCHED_BACKENDS = frozenset({"gloo"})
+    dist.batch_isend_irecv = counted
+    try:
+        return {"results": structures(schedule), "batches": batches}
+    finally:
+        dist.batch_isend_irecv = batch
+
+
 def dropout_bitwise(balance: list[int]) -> Any:
     """Gradients with dropout, to compare bitwise with the local GPipe in the test process."""
     model = mlp(4, dropout=0.3)

@@ -86,6 +86,15 @@ def test_tuples_dicts_values_and_changing_shapes_cross_processes(schedule: str) 
             assert result[key]["loss"] < 1e-12 and result[key]["grad"] < 1e-12, (key, rank)
 
 
+def test_messages_of_several_tensors_go_as_one_batch_where_the_backend_batches() -> None:
+    # NCCL's path (one batch_isend_irecv per message of several tensors), run on gloo
+    results = check(launch("dist_scenarios:structures_batched", 2, schedule="1f1b"))
+    for rank, result in enumerate(results):
+        assert result["batches"] and max(result["batches"]) >= 2, (rank, result["batches"])
+        for key, diffs in result["results"].items():
+            assert diffs["loss"] < 1e-12 and diffs["grad"] < 1e-12, (key, rank, diffs)
+
+
 def test_dropout_is_bitwise_the_local_pipes_under_two_balances() -> None:
     from dist_scenarios import WIDTH, mlp
 

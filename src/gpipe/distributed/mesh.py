@@ -111,6 +111,11 @@ def groups_for(layout: Layout, timeout: float, device_type: str) -> Groups:
             control = pipeline
         else:
             control, _ = dist.new_subgroups_by_enumeration(rows, timeout=limit, backend="gloo")
+            # NOTE: a batch of point-to-point ops between two ranks (a message of several
+            # tensors, see transport._Link) may be a group's first NCCL call only if every
+            # rank of the group joins it: one collective first makes the group's
+            # communicator, after which any pair may batch.
+            dist.all_reduce(torch.zeros(1, device=device()), group=pipeline)
         replicas, _ = dist.new_subgroups_by_enumeration(columns, timeout=limit)
         mesh = DeviceMesh.from_group(
             [replicas, pipeline],
