@@ -44,7 +44,7 @@ from torch.nn import functional as F
 import gpipe.distributed as gd
 from gpipe.analysis import Event, Timeline
 from gpipe.models import latency, sleep_stages
-from gpipe.schedule import BACKWARD, FORWARD, Action, make_schedule
+from gpipe.schedule import BACKWARD, FORWARD, Action, dependencies, make_schedule
 from latency_distributed import SCHEDULES, torch_step
 
 Sleep = tuple[float, int, int]  # (seconds asked, start ns, end ns)
@@ -200,17 +200,18 @@ def _sleep_timeline(f_s: float, sleeps: list[list[Sleep]]) -> Timeline:
 def _costs(timeline: Timeline, asked: dict[str, float]) -> tuple[list[float], ...]:
     """Overruns, gaps and hops (seconds) of every action of one step's sleep timeline.
 
-    A forward of rank r needs the same micro-batch's forward on rank r - 1, and a backward
-    the backward on rank r + 1.
+    An action's hop is from the end of what it needed from another rank (the schedule's
+    dependencies on another stage) to its start.
     """
     ends = {e.action: e.end for device in timeline.events for e in device}
+    stages = len(timeline.events)
     overruns, gaps, hops = [], [], []
     for events in timeline.events:
         free = None  # when this rank's last sleep ended
         for e in events:
             overruns.append(e.duration - asked[e.kind])
-            neighbour = e.stage - 1 if e.kind == FORWARD else e.stage + 1
-            ready = ends.get(Action(e.kind, neighbour, e.microbatch)) if neighbour >= 0 else None
+            needed = [a for a in dependencies(e.action, stages) if a.stage != e.stage]
+            ready = max((ends[a] for a in needed if a in ends), default=None)
             if ready is not None and (free is None or ready > free):
                 hops.append(e.start - ready)
             elif free is not None:

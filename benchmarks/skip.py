@@ -38,7 +38,7 @@ from torch.nn import functional as F
 import gpipe
 from gpipe.dataflow import INPUT, Stages
 from gpipe.models import UNetConfig, unet
-from torch_reference import TORCH_SCHEDULES, run_step
+from torch_reference import run_step, torch_schedule
 
 SPLIT_POINTS = ["down.2", "middle", "up.2"]
 STAGES = len(SPLIT_POINTS) + 1
@@ -155,9 +155,7 @@ def _theirs(args: argparse.Namespace) -> float:
         model, mb_args=(x[: args.batch // args.chunks],), split_spec=split_spec
     )
     stage = pipe.build_stage(rank, torch.device("cpu"))
-    runner = getattr(pipelining, TORCH_SCHEDULES[args.schedule])(
-        stage, args.chunks, loss_fn=F.mse_loss
-    )
+    runner = torch_schedule(stage, args.schedule, args.chunks, F.mse_loss)
     times = []
     for step in range(args.steps + 1):
         dist.barrier()

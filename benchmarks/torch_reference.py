@@ -29,6 +29,15 @@ TORCH_SCHEDULES = {
 _STAGES_PER_RANK = {"zb-v": 2}
 
 
+def torch_schedule(stages: Any, schedule: str, microbatches: int, loss_fn: Callable) -> Any:
+    """torch.distributed.pipelining's runner of our ``schedule`` name over this rank's
+    ``stages`` (one PipelineStage, or a list of them)."""
+    from torch.distributed import pipelining
+
+    kind = getattr(pipelining, TORCH_SCHEDULES[schedule])
+    return kind(stages, microbatches, loss_fn=loss_fn)
+
+
 def torch_runner(
     module: nn.Module, rank: int, world: int, schedule: str, microbatches: int, loss_fn: Callable
 ) -> Any:
@@ -37,7 +46,7 @@ def torch_runner(
     from torch.distributed import pipelining
 
     stage = pipelining.PipelineStage(module, rank, world, torch.device("cpu"))
-    return getattr(pipelining, TORCH_SCHEDULES[schedule])(stage, microbatches, loss_fn=loss_fn)
+    return torch_schedule(stage, schedule, microbatches, loss_fn)
 
 
 def run_step(runner: Any, first: bool, last: bool, x: Any, target: Any) -> None:
@@ -102,9 +111,8 @@ def _stage(rank: int, job: _Job, results: Any) -> None:
                 pipelining.PipelineStage(submodule, index, count, torch.device("cpu"))
                 for submodule, index in zip(submodules, held)
             ]
-            return getattr(pipelining, TORCH_SCHEDULES[job.schedule])(
-                stages[0] if len(stages) == 1 else stages, microbatches, loss_fn=job.loss_fn
-            )
+            held_stages = stages[0] if len(stages) == 1 else stages
+            return torch_schedule(held_stages, job.schedule, microbatches, job.loss_fn)
 
         runners = {microbatches: runner_for(microbatches) for microbatches, _ in job.runs}
         measured: dict[int, list[float]] = {microbatches: [] for microbatches, _ in job.runs}

@@ -172,12 +172,14 @@ def structures_batched(schedule: str) -> Any:
         batches.append(len(ops))
         return batch(ops)
 
+    backends = transport.BATCHED_BACKENDS
     transport.BATCHED_BACKENDS = frozenset({"gloo"})
     dist.batch_isend_irecv = counted
     try:
         return {"results": structures(schedule), "batches": batches}
     finally:
         dist.batch_isend_irecv = batch
+        transport.BATCHED_BACKENDS = backends
 
 
 def dropout_bitwise(balance: list[int]) -> Any:
