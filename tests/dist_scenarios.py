@@ -254,6 +254,59 @@ def fail_at(rank: int, step: int, steps: int = 6) -> Any:
     return {"finished": True, "elapsed": time.monotonic() - started}
 
 
+def bad_target_on_the_last_rank(case: str, linger: float = 8.0) -> Any:
+    """The last rank gets a bad target ("none", or "short": one sample short), the others a
+    good one. That rank raises before any message; it lingers ``linger`` s before it ends,
+    so the others cannot learn of it from its links closing."""
+    me, world = dist.get_rank(), dist.get_world_size()
+    pipe = gd.DistributedGPipe(mlp(world), chunks=2, timeout=60)
+    torch.manual_seed(1)
+    x = torch.randn(4, WIDTH, dtype=torch.float64)
+    y: torch.Tensor | None = torch.randn(4, WIDTH, dtype=torch.float64)
+    if me == world - 1:
+        y = None if case == "none" else y[:3]
+    try:
+        pipe.train_step(x, y, nn.functional.mse_loss)
+    except Exception:
+        if me == world - 1:
+            time.sleep(linger)
+        raise
+    return {"finished": True}
+
+
+def new_pipe_after_failure() -> Any:
+    """A step fails (a layer raises on rank 1); every rank builds a new pipe like the first
+    and trains: it must run, and match plain training."""
+    me = dist.get_rank()
+
+    class Bomb(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if me == 1:
+                raise ValueError("boom")
+            return x
+
+    torch.manual_seed(1)
+    x = torch.randn(4, WIDTH, dtype=torch.float64)
+    y = torch.randn(4, WIDTH, dtype=torch.float64)
+    world = dist.get_world_size()
+    failing = gd.DistributedGPipe(nn.Sequential(*mlp(world - 1), Bomb()).double(), chunks=2)
+    try:
+        failing.train_step(x, y, nn.functional.mse_loss)
+    except Exception as error:
+        failed = f"{type(error).__name__}: {error}"
+    else:
+        raise AssertionError("the first pipe's step should fail")
+    model = mlp(world)
+    pipe = gd.DistributedGPipe(model, chunks=2)  # the same layout and timeout as the first
+    loss = pipe.train_step(x, y, nn.functional.mse_loss)
+    ref = _reference(mlp_of(world), x, y, nn.functional.mse_loss)
+    return {"failed": failed, **_compare(pipe, model, loss, ref)}
+
+
+def mlp_of(layers: int) -> Callable[[], nn.Sequential]:
+    return lambda: mlp(layers)
+
+
 def stop_at(rank: int, step: int, how: str, timeout_s: float = 60.0) -> Any:
     """Rank ``rank`` dies (SIGKILL), is interrupted (SIGINT) or hangs at ``step``."""
     import os

@@ -97,8 +97,8 @@ def _flatten(value: Any, dims: BatchDims, what: str) -> tuple[list[Any], Any, li
             )
     if first is None:
         raise TypeError(
-            "expected a tensor, or a tuple/list/dict holding tensors with a batch dimension, "
-            f"got {type(value).__name__}"
+            f"expected the {what} to be a tensor, or a tuple/list/dict holding tensors with a "
+            f"batch dimension, got {type(value).__name__}"
         )
     size = leaves[first].shape[axes[first]]
     if size == 0:

@@ -13,6 +13,7 @@ The store is torch.distributed's own (the one the process group was initialized 
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -21,7 +22,17 @@ from typing import Any
 
 from gpipe.runtime.transport import Aborted
 
-__all__ = ["Failure", "FaultChannel", "PipelineFailure", "wait_for"]
+__all__ = ["Failure", "FaultChannel", "PipelineFailure", "brief", "wait_for"]
+
+# gloo's "[path/file.cc:123] " before its message
+_SOURCE_LINE = re.compile(r"^\[[^\]]*:\d+\] ")
+
+
+def brief(error: BaseException) -> str:
+    """A torch.distributed error in one short clause, for a failure's one line: its first
+    sentence, without gloo's source line before it and its advice after."""
+    text = str(error).splitlines()[0] if str(error) else type(error).__name__
+    return _SOURCE_LINE.sub("", text).split(". ")[0]
 
 
 @dataclass(frozen=True)
@@ -214,5 +225,4 @@ def _cause(
         if failure is not None:
             return failure
         time.sleep(0.1)
-    text = str(error).splitlines()[0] if str(error) else type(error).__name__
-    return Failure(-1, f"a rank left the job without reporting why ({text})")
+    return Failure(-1, f"a rank left the job without reporting why ({brief(error)})")

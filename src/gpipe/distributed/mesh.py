@@ -125,3 +125,15 @@ def groups_for(layout: Layout, timeout: float, device_type: str) -> Groups:
         )
         _CACHE[key] = Groups(pipeline, control, replicas if layout.dp > 1 else None, mesh)
     return _CACHE[key]
+
+
+def forget(groups: Groups) -> None:
+    """Drop ``groups`` from the cache, so the next pipe of their layout makes its own.
+
+    A step that failed can leave work posted on its groups (a broadcast of the loss, a
+    receive from the failed rank), which would meet the next pipe's first messages; every
+    rank of a failed step forgets its groups alike, so every rank makes new ones.
+    """
+    for key, cached in list(_CACHE.items()):
+        if cached is groups:
+            del _CACHE[key]

@@ -40,7 +40,7 @@ from gpipe.distributed.faults import Failure, FaultChannel, PipelineFailure, wai
 from gpipe.distributed.fingerprint import check_same_everywhere
 from gpipe.distributed.link import measure_link
 from gpipe.distributed.materialize import keep_only
-from gpipe.distributed.mesh import Layout, groups_for
+from gpipe.distributed.mesh import Layout, forget, groups_for
 from gpipe.distributed.mesh import device as default_device
 from gpipe.distributed.replicas import GradientSync, last_gradient_actions
 from gpipe.distributed.ties import TiedWeights, find_ties, tie_groups
@@ -307,6 +307,7 @@ class DistributedGPipe(StepSettings, nn.Module):
         )
         self._last: tuple[Step, Schedule] | None = None
         self._announced: Any = None  # this rank's step header, while it may be in flight
+        self._ran = False  # whether this rank ran its actions of the step under way
         _OPEN.add(self)
 
     # -- training ----------------------------------------------------------------------
@@ -359,6 +360,12 @@ class DistributedGPipe(StepSettings, nn.Module):
             schedule = self._schedule_for(count)
             loss = None
             if last:
+                if target is None:
+                    raise ValueError(
+                        f"target=None on rank {self.rank}, which holds the last stage and "
+                        "computes the loss: pass the target on this rank (every rank may "
+                        "pass it; the others ignore it)"
+                    )
                 mine = self._part_of(target, target_batch_dims, "target", local_batch, last)
                 loss = self._loss(
                     mine, target_batch_dims, count, total, loss_fn, reduction, microbatch_weight
@@ -702,6 +709,7 @@ class DistributedGPipe(StepSettings, nn.Module):
         with committing(self._deferred):
             step.run(actions)
             self._transport.finish()
+        self._ran = True
         return step
 
     def _gradient_sync(self, schedule: Schedule) -> GradientSync | None:
@@ -735,6 +743,12 @@ class DistributedGPipe(StepSettings, nn.Module):
                     f"{sorted(kwargs)}: pass one tensor (or tuple/dict of them), or split the "
                     "model into gpipe.Stages, which take named inputs"
                 )
+            if input is None:
+                raise ValueError(
+                    f"input=None on rank {self.rank}, which holds the first stage and reads "
+                    "the input: pass the batch on this rank (every rank may pass it; the "
+                    "others ignore it)"
+                )
             return input
         positional = input if isinstance(input, tuple) else (input,)
         return self._flow.bind(*positional, **(kwargs or {}))
@@ -752,11 +766,18 @@ class DistributedGPipe(StepSettings, nn.Module):
     @contextlib.contextmanager
     def _failing_together(self) -> Iterator[None]:
         """A step that fails on any rank fails on every rank, all naming the same cause."""
+        self._ran = False
         try:
             yield
-        except BaseException:
+        except BaseException as error:
             self._announced = None
-            if self._transport.failure is not None:
+            if self._transport.failure is None and not self._ran:
+                # NOTE: raised on this rank alone before its actions ran (a bad target given
+                # to the last rank): the others wait for its messages, so it tells them. An
+                # error after them (an eval output that cannot be gathered) is this rank's.
+                self._transport.abort(error)
+            if self._transport.failure is not None or isinstance(error, PipelineFailure):
+                forget(self.groups)
                 self._faults.acknowledge(dist.get_world_size())
             raise
 

@@ -42,10 +42,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gpipe.distributed.faults import Failure, PipelineFailure
+from gpipe.distributed.faults import Failure, PipelineFailure, brief
 from gpipe.distributed.wire import Signature, decode, encode, flatten, rebuild, receive_buffers
 from gpipe.runtime.mailbox import Mailbox
 from gpipe.runtime.routes import Routes
+from gpipe.runtime.step import unplaced
 from gpipe.runtime.transport import ACTIVATION, GRADIENT, Aborted, Tag
 from gpipe.schedule import BACKWARD, FORWARD, Schedule
 
@@ -238,11 +239,15 @@ class P2PTransport:
             self._heard(error.failure)
             return
         action = getattr(error, "gpipe_action", None)
-        text = "interrupted" if error is None else f"{type(error).__name__}: {error}"
+        if error is None or isinstance(error, KeyboardInterrupt):
+            text = "KeyboardInterrupt: interrupted (Ctrl-C or SIGINT)"
+        else:  # NOTE: the failure names the stage, micro-batch and action itself
+            first = str(error).splitlines()[0] if str(error) else ""
+            text = f"{type(error).__name__}: {unplaced(first)}"
         self.fail(
             Failure(
                 self._rank,
-                text.split("\n")[0],
+                text,
                 stage=None if action is None else action.stage,
                 microbatch=None if action is None else action.microbatch,
                 action=None if action is None else str(action),
@@ -414,7 +419,8 @@ class _Inbound:
                 try:
                     tag, value, buffers, posted = self._receive(step, key, j)
                 except Exception as error:
-                    transport.fail(_link_lost(transport._rank, self.peer, error))
+                    lost = _link_lost(transport._rank, self.peer, error, transport._timeout)
+                    transport.fail(lost)
                     return
                 # NOTE: the worker may be waiting for this message: hand it over first
                 done = time.perf_counter_ns()
@@ -537,7 +543,9 @@ class _Sender:
                     self._send(job)
             except Exception as error:
                 self._error = error
-                transport.fail(_link_lost(transport._rank, job.links[1].rank, error))
+                transport.fail(
+                    _link_lost(transport._rank, job.links[1].rank, error, transport._timeout)
+                )
             finally:
                 del job
                 with self._lock:
@@ -619,13 +627,20 @@ class _Link:
         return dist.batch_isend_irecv(ops)
 
 
-def _link_lost(rank: int, peer: int, error: BaseException) -> Failure:
-    text = str(error).splitlines()[0] if str(error) else type(error).__name__
+def _link_lost(rank: int, peer: int, error: BaseException, timeout: float) -> Failure:
     return Failure(
         peer,
-        f"rank {rank} lost its link to rank {peer} ({text}): that rank died, hung past the "
-        "timeout, or its network failed",
+        f"rank {rank} lost its link to rank {peer} ({_link_cause(error, timeout)}): that rank "
+        "died, hung past the timeout, or its network failed",
     )
+
+
+def _link_cause(error: BaseException, timeout: float) -> str:
+    """Why a link failed, in one short clause; a timeout named with the pipe's own."""
+    text = brief(error)
+    if "timeout" in text.lower() or "timed out" in text.lower():
+        return f"nothing came within the timeout of {timeout:g} s: DistributedGPipe(timeout=...)"
+    return text
 
 
 def _single(value: Any) -> tuple[tuple[Any, ...], torch.Tensor] | None:

@@ -123,13 +123,22 @@ class Step:
         return Timeline([list(device) for device in self.state.events], "s", schedule)
 
 
+_PLACE = "[gpipe: raised in "
+
+
+def unplaced(message: str) -> str:
+    """``message`` without the place :func:`_annotate` added to it (for a report that says
+    the stage, micro-batch and action in its own words)."""
+    return message.split(f" {_PLACE}", 1)[0]
+
+
 def _annotate(exc: BaseException) -> BaseException:
     """Add the failing stage, micro-batch and action to the exception's message."""
     action = getattr(exc, "gpipe_action", None)
     if action is None:
         return exc
     where = (
-        f"[gpipe: raised in stage {action.stage}, micro-batch {action.microbatch}, "
+        f"{_PLACE}stage {action.stage}, micro-batch {action.microbatch}, "
         f"during {_KIND_NAMES[action.kind]} ({action})]"
     )
     if exc.args and isinstance(exc.args[0], str) and type(exc).__str__ is BaseException.__str__:
