@@ -73,8 +73,8 @@ def test_a_measured_step_splits_into_actions_device_waits_and_hand_offs() -> Non
     assert path.compute == pytest.approx(8.0)
     assert path.length == pytest.approx(9.2)
     text = str(path)
-    assert "6 actions, 9.2 long" in text
-    assert "(2, 0.45 each)" in text and "(3, 0.1 each)" in text
+    assert "6 actions, 9.2 s long" in text
+    assert "(2, 0.45 s each)" in text and "(3, 0.1 s each)" in text
 
 
 def test_a_stage_reading_past_its_neighbour_waits_for_the_stage_that_sent() -> None:

@@ -50,6 +50,7 @@ class CriticalPath:
     """The critical path of one timeline, first action first."""
 
     links: list[Link]
+    unit: str = "s"  # the timeline's: seconds measured, or the cost model's units
 
     @property
     def length(self) -> float:
@@ -85,15 +86,16 @@ class CriticalPath:
             return f"{part / self.length:6.1%}" if self.length > 0 else "     -"
 
         def mean(waits: list[float]) -> str:
-            return f", {sum(waits) / len(waits):.4g} each" if waits else ""
+            return f", {sum(waits) / len(waits):.4g} {self.unit} each" if waits else ""
 
+        unit = self.unit
         return "\n".join(
             [
-                f"critical path: {len(self.links)} actions, {self.length:.4g} long",
-                f"  actions        {self.compute:10.4g}  {share(self.compute)}",
-                f"  device waits   {self.device_wait:10.4g}  {share(self.device_wait)}"
+                f"critical path: {len(self.links)} actions, {self.length:.4g} {unit} long",
+                f"  actions        {self.compute:10.4g} {unit}  {share(self.compute)}",
+                f"  device waits   {self.device_wait:10.4g} {unit}  {share(self.device_wait)}"
                 f"  ({len(device)}{mean(device)})",
-                f"  hand-offs      {self.message_wait:10.4g}  {share(self.message_wait)}"
+                f"  hand-offs      {self.message_wait:10.4g} {unit}  {share(self.message_wait)}"
                 f"  ({len(message)}{mean(message)})",
             ]
         )
@@ -108,7 +110,7 @@ def critical_path(timeline: Timeline) -> CriticalPath:
     events = timeline.events
     where = {e.action: (d, i) for d, device in enumerate(events) for i, e in enumerate(device)}
     if not where:
-        return CriticalPath([])
+        return CriticalPath([], timeline.unit)
     stages = max(action.stage for action in where) + 1
     skips: dict[Action, set[int]] = {}  # a dataflow's senders beyond the neighbour
     for t in timeline.transfers:
@@ -134,7 +136,7 @@ def critical_path(timeline: Timeline) -> CriticalPath:
             break
         links.append(Link(event, device, after, binding[0], max(0.0, event.start - end(binding))))
         device, i = binding
-    return CriticalPath(links[::-1])
+    return CriticalPath(links[::-1], timeline.unit)
 
 
 def _inputs(action: Action, stages: int, skips: dict[Action, set[int]]) -> list[Action]:
