@@ -164,8 +164,7 @@ def theirs(name: str, ms: list[int], schedules: list[str], steps: int) -> dict[K
     for schedule in schedules:
         for m in ms:
             model = build()
-            per = len(model) // world
-            stage_module = nn.Sequential(*list(model)[rank * per : (rank + 1) * per])
+            stage_module = nn.Sequential(*_share(model, rank, world))
             runner = torch_runner(stage_module, rank, world, schedule, m, F.mse_loss)
             times = []
             for step in range(steps + 1):
@@ -223,6 +222,12 @@ def both(
             for side, times in runs.items()
         }
     return out if rank == 0 else {}
+
+
+def _share(model: nn.Sequential, rank: int, world: int) -> list[nn.Module]:
+    """The layers of ``rank``'s stage when ``model`` is cut into ``world`` equal stages."""
+    per = len(model) // world
+    return list(model)[rank * per : (rank + 1) * per]
 
 
 def _add(runs: dict[Any, list[float]], figures: dict[Any, float]) -> None:
@@ -352,11 +357,8 @@ def layer_costs(m: int, steps: int, rounds: int) -> dict[str, tuple[float, float
     per = len(transformer()) // world
     last = rank == world - 1
 
-    def mine(model: nn.Sequential) -> list[nn.Module]:
-        return list(model)[rank * per : (rank + 1) * per]
-
     def alone() -> list[tuple[float, float]]:
-        stage = nn.Sequential(*mine(transformer()))
+        stage = nn.Sequential(*_share(transformer(), rank, world))
 
         def step() -> None:
             dist.barrier()
@@ -379,12 +381,12 @@ def layer_costs(m: int, steps: int, rounds: int) -> dict[str, tuple[float, float
             pipe.train_step(x, y, F.mse_loss)
             pipe.zero_grad()
 
-        calls = _forward_costs(mine(model), step, steps)
+        calls = _forward_costs(_share(model, rank, world), step, steps)
         pipe.close()
         return calls
 
     def theirs() -> list[tuple[float, float]]:
-        stage = nn.Sequential(*mine(transformer()))
+        stage = nn.Sequential(*_share(transformer(), rank, world))
         runner = torch_runner(stage, rank, world, "1f1b", m, F.mse_loss)
 
         def step() -> None:

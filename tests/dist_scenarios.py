@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -289,7 +290,7 @@ def new_pipe_after_failure() -> Any:
     x = torch.randn(4, WIDTH, dtype=torch.float64)
     y = torch.randn(4, WIDTH, dtype=torch.float64)
     world = dist.get_world_size()
-    failing = gd.DistributedGPipe(nn.Sequential(*mlp(world - 1), Bomb()).double(), chunks=2)
+    failing = gd.DistributedGPipe(nn.Sequential(*mlp(world - 1), Bomb()), chunks=2)
     try:
         failing.train_step(x, y, nn.functional.mse_loss)
     except Exception as error:
@@ -299,12 +300,8 @@ def new_pipe_after_failure() -> Any:
     model = mlp(world)
     pipe = gd.DistributedGPipe(model, chunks=2)  # the same layout and timeout as the first
     loss = pipe.train_step(x, y, nn.functional.mse_loss)
-    ref = _reference(mlp_of(world), x, y, nn.functional.mse_loss)
+    ref = _reference(partial(mlp, world), x, y, nn.functional.mse_loss)
     return {"failed": failed, **_compare(pipe, model, loss, ref)}
-
-
-def mlp_of(layers: int) -> Callable[[], nn.Sequential]:
-    return lambda: mlp(layers)
 
 
 def stop_at(rank: int, step: int, how: str, timeout_s: float = 60.0) -> Any:

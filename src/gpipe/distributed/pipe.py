@@ -360,12 +360,7 @@ class DistributedGPipe(StepSettings, nn.Module):
             schedule = self._schedule_for(count)
             loss = None
             if last:
-                if target is None:
-                    raise ValueError(
-                        f"target=None on rank {self.rank}, which holds the last stage and "
-                        "computes the loss: pass the target on this rank (every rank may "
-                        "pass it; the others ignore it)"
-                    )
+                self._given(target, "target", "last stage and computes the loss")
                 mine = self._part_of(target, target_batch_dims, "target", local_batch, last)
                 loss = self._loss(
                     mine, target_batch_dims, count, total, loss_fn, reduction, microbatch_weight
@@ -743,15 +738,18 @@ class DistributedGPipe(StepSettings, nn.Module):
                     f"{sorted(kwargs)}: pass one tensor (or tuple/dict of them), or split the "
                     "model into gpipe.Stages, which take named inputs"
                 )
-            if input is None:
-                raise ValueError(
-                    f"input=None on rank {self.rank}, which holds the first stage and reads "
-                    "the input: pass the batch on this rank (every rank may pass it; the "
-                    "others ignore it)"
-                )
+            self._given(input, "input", "first stage and reads the input")
             return input
         positional = input if isinstance(input, tuple) else (input,)
         return self._flow.bind(*positional, **(kwargs or {}))
+
+    def _given(self, value: Any, name: str, role: str) -> None:
+        """Refuse ``name=None`` on this rank, which holds the ``role``."""
+        if value is None:
+            raise ValueError(
+                f"{name}=None on rank {self.rank}, which holds the {role}: pass the {name} "
+                "on this rank (every rank may pass it; the others ignore it)"
+            )
 
     def _input_dims(self) -> BatchDims:
         if self._flow is None:

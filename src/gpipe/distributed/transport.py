@@ -242,7 +242,7 @@ class P2PTransport:
         if error is None or isinstance(error, KeyboardInterrupt):
             text = "KeyboardInterrupt: interrupted (Ctrl-C or SIGINT)"
         else:  # NOTE: the failure names the stage, micro-batch and action itself
-            first = str(error).splitlines()[0] if str(error) else ""
+            first = next(iter(str(error).splitlines()), "")
             text = f"{type(error).__name__}: {unplaced(first)}"
         self.fail(
             Failure(
