@@ -220,3 +220,45 @@ def mismatched(path: str) -> Any:
     except ValueError as error:
         return {"error": str(error)}
     return {"error": ""}
+
+
+def gpt_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(200 + step)
+    idx = torch.randint(0, 64, (8, 12), generator=generator)
+    return idx, torch.roll(idx, -1, dims=1)
+
+
+def split_gpt(
+    path: str,
+    split_points: list[str],
+    start: int,
+    stop: int,
+    save_at: int | None,
+    dp: int = 1,
+    zero: bool = False,
+) -> Any:
+    """A GPT cut by gpipe.split, trained steps start..stop-1 (loading ``path`` first if
+    start > 0, from weights it did not start with) and saved after ``save_at``; with what
+    ``pipe.parameters()`` lists against this rank's own stages."""
+    import gpipe
+    from gpipe.models import GPT2Config, gpt2, gpt_loss
+
+    model = gpt2(GPT2Config(n_layer=4), seed=1 if start else 0).double()
+    stages = gpipe.split(model, split_points=split_points, example_inputs=(gpt_batch(0)[0],))
+    pipe = gd.DistributedGPipe(stages, chunks=2, schedule="1f1b", dp_size=dp, zero=zero)
+    listed = {id(p) for p in pipe.parameters()}
+    own = {id(p) for p in pipe.partitions.parameters()}
+    meta = sum(p.is_meta for p in pipe.parameters())
+    optimizer = pipe.make_optimizer(torch.optim.AdamW, lr=1e-2)
+    if start:
+        assert pipe.load(path, optimizer=optimizer)["step"] == start
+    losses = []
+    for step in range(start, stop):
+        idx, target = gpt_batch(step)
+        losses.append(float(pipe.train_step(idx, target, gpt_loss)))
+        optimizer.step()
+        optimizer.zero_grad()
+        if step + 1 == save_at:
+            pipe.save(path, optimizer=optimizer, extra={"step": step + 1})
+    pipe.close()
+    return {"losses": losses, "only_own": listed == own, "meta": meta}

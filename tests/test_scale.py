@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -202,3 +203,88 @@ def test_two_torchrun_nodes_of_two_processes_train_as_plain_training(tmp_path: P
         result = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
         assert result["world"] == 4
         assert result["loss"] < 1e-10 and result["weight"] < 1e-10, result
+
+
+def _plain_gpt_losses(steps: int) -> tuple[list[float], Any]:
+    """Plain AdamW training of the split scenarios' GPT, in this process: losses and model."""
+    from gpipe.models import GPT2Config, gpt2, gpt_loss
+    from scale_scenarios import gpt_batch
+
+    model = gpt2(GPT2Config(n_layer=4), seed=0).double()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for step in range(steps):
+        idx, target = gpt_batch(step)
+        loss = gpt_loss(model(idx), target)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses, model
+
+
+def test_a_split_models_checkpoint_is_keyed_by_its_own_names_and_resumes_on_another_split(
+    tmp_path: Path,
+) -> None:
+    import gpipe.distributed as gd
+    from gpipe.models import GPT2Config, gpt2
+
+    path = str(tmp_path / "ckpt")
+    saved = check(
+        launch(
+            "scale_scenarios:split_gpt",
+            2,
+            path=path,
+            split_points=["transformer.h.2"],
+            start=0,
+            stop=2,
+            save_at=2,
+        )
+    )
+    resumed = check(
+        launch(
+            "scale_scenarios:split_gpt",
+            3,
+            path=path,
+            split_points=["transformer.h.1", "transformer.h.3"],
+            start=2,
+            stop=4,
+            save_at=None,
+        )
+    )
+    expected, _ = _plain_gpt_losses(4)
+    for result in saved + resumed:
+        assert result["only_own"] and result["meta"] == 0, result  # this rank's parameters
+    for result in saved:
+        assert result["losses"] == pytest.approx(expected[:2], rel=1e-10, abs=1e-12)
+    for result in resumed:
+        assert result["losses"] == pytest.approx(expected[2:], rel=1e-10, abs=1e-12)
+
+    gd.consolidate(path, tmp_path / "model.pt")
+    state = torch.load(tmp_path / "model.pt", weights_only=True)
+    model = gpt2(GPT2Config(n_layer=4), seed=5).double()
+    assert sorted(state) == sorted(model.state_dict())  # the model's own names, tie included
+    model.load_state_dict(state)
+    _, trained = _plain_gpt_losses(2)
+    for name, tensor in trained.state_dict().items():
+        torch.testing.assert_close(state[name], tensor, rtol=1e-10, atol=1e-12)
+
+
+def test_a_split_model_shards_its_optimizer_with_zero_and_trains_as_plain_training() -> None:
+    results = check(
+        launch(
+            "scale_scenarios:split_gpt",
+            4,
+            path="",
+            split_points=["transformer.h.2"],
+            start=0,
+            stop=2,
+            save_at=None,
+            dp=2,
+            zero=True,
+        )
+    )
+    expected, _ = _plain_gpt_losses(2)
+    for result in results:
+        assert result["only_own"] and result["meta"] == 0, result
+        assert result["losses"] == pytest.approx(expected, rel=1e-10, abs=1e-12)

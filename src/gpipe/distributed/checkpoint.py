@@ -124,13 +124,18 @@ def consolidate(path: str | os.PathLike[str], out_file: str | os.PathLike[str]) 
     source = Path(path)
     if not (source / ".metadata").exists():
         raise FileNotFoundError(f"no checkpoint at {source} (no .metadata file there)")
-    whole = Path(str(out_file) + ".whole")
+    target = Path(out_file)
+    # NOTE: a name of its own, so processes that all call this (the same script on every
+    # rank) do not read each other's half-written files
+    whole = target.with_name(f"{target.name}.whole-{uuid.uuid4().hex[:12]}")
     try:
         dcp_to_torch_save(source, whole)
         state = torch.load(whole, weights_only=True)
     finally:
         whole.unlink(missing_ok=True)
-    torch.save(state[_MODEL], out_file)
+    written = target.with_name(f"{target.name}.writing-{uuid.uuid4().hex[:12]}")
+    torch.save(state[_MODEL], written)
+    written.replace(target)  # whole or not at all, even with several writers
 
 
 def _tensors(view: nn.Module) -> dict[str, torch.Tensor]:

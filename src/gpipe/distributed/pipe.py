@@ -142,6 +142,8 @@ class DistributedGPipe(StepSettings, nn.Module):
             arguments...), raised on every rank before any step.
     """
 
+    _flow: Stages | None  # every stage of a dataflow model, not a submodule (see __init__)
+
     def __init__(
         self,
         module: nn.Sequential,
@@ -206,7 +208,10 @@ class DistributedGPipe(StepSettings, nn.Module):
             # a chain, a rank would pop a skip stashed on another rank and find nothing.
             flow = skip_stages(module, check_balance(module, _balance(module, balance, stages)))
             module, balance = flow, None  # type: ignore[assignment]  # the Stages path below
-        self._flow = flow
+        # NOTE: kept off the module tree: its other stages are freed to meta below, and as a
+        # submodule they would be in parameters(), so the optimizer, ZeRO and checkpoints
+        # took every rank's parameters for this rank's.
+        self.__dict__["_flow"] = flow
         self._routes = None if flow is None else Routes(flow.dataflow)
         self.balance: list[int]
         if flow is not None:
@@ -246,10 +251,12 @@ class DistributedGPipe(StepSettings, nn.Module):
             refuse_reused_batch_norm(module)
             convert_deferred_batch_norm(module)
         partitions = list(module) if flow is not None else list(split_module(module, self.balance))
-        # NOTE: a dataflow's stage modules are named by stage (its units have no names in a
-        # Sequential), so ties and checkpoints read "stage.name" (see user_view).
+        # NOTE: the stage modules of gpipe.split and gpipe.skip.stages hold the user's layers
+        # under their names in the user's model, so ties and checkpoints read those names;
+        # only stage modules whose names clash are told apart as "stage.name" (see user_view).
+        self._by_stage = flow is not None and not _names_are_distinct(partitions)
         self.ties = find_ties(
-            partitions if flow is None else [_under(s, p) for s, p in enumerate(partitions)],
+            [_under(s, p) for s, p in enumerate(partitions)] if self._by_stage else partitions,
             placement,
             tied,
         )
@@ -524,12 +531,20 @@ class DistributedGPipe(StepSettings, nn.Module):
     def user_view(self) -> nn.Module:
         """This rank's layers under their names in the user's model (``state_dict`` keys).
 
-        For ``Stages``, this rank's stage modules under their stage numbers.
+        For ``Stages`` (from :func:`gpipe.split` or :func:`gpipe.skip.stages`), the stage
+        modules' parameters and buffers under their own names, which are the user's; only
+        if two stage modules use one name for different tensors, each stage's under
+        ``"stage.name"``.
         """
         view = nn.Module()
         if self._flow is not None:
-            for stage in self.local_stages:
-                view.add_module(str(stage), self._stages.module(stage))
+            local = [self._stages.module(stage) for stage in self.local_stages]
+            if self._by_stage:
+                for stage, module in zip(self.local_stages, local):
+                    view.add_module(str(stage), module)
+                return view
+            for name, tensor in _state(local).items():
+                _place(view, name, tensor)
             return view
         for partition in self.partitions:
             for name, layer in partition.named_children():
@@ -838,6 +853,43 @@ def _first_reader(routes: Routes) -> int:
             "a pipe needs at least one stage that does"
         )
     return min(routes.reading_input)
+
+
+def _state(modules: Sequence[nn.Module]) -> dict[str, torch.Tensor]:
+    """The parameters and persistent buffers of ``modules`` by their ``state_dict`` names."""
+    state: dict[str, torch.Tensor] = {}
+    for module in modules:
+        for name, tensor in module.state_dict(keep_vars=True).items():
+            if isinstance(tensor, torch.Tensor):
+                state.setdefault(name, tensor)
+    return state
+
+
+def _names_are_distinct(modules: Sequence[nn.Module]) -> bool:
+    """Whether a name means one tensor in every stage module that uses it (a tied weight
+    read by two stages is one tensor under one name)."""
+    seen: dict[str, int] = {}
+    for module in modules:
+        for name, tensor in module.state_dict(keep_vars=True).items():
+            if seen.setdefault(name, id(tensor)) != id(tensor):
+                return False
+    return True
+
+
+def _place(root: nn.Module, name: str, tensor: torch.Tensor) -> None:
+    """Register ``tensor`` (the object itself) in ``root`` under the dotted ``name``."""
+    *path, leaf = name.split(".")
+    owner = root
+    for part in path:
+        child = owner._modules.get(part)
+        if child is None:
+            child = nn.Module()
+            owner.add_module(part, child)
+        owner = child
+    if isinstance(tensor, nn.Parameter):
+        owner.register_parameter(leaf, tensor)
+    else:
+        owner.register_buffer(leaf, tensor)
 
 
 def _under(stage: int, module: nn.Module) -> nn.Module:
