@@ -264,6 +264,13 @@ def test_loss_fn_must_be_a_function() -> None:
         pipe.train_step(x, x, "mse")  # type: ignore[arg-type]
 
 
+def test_a_loss_fn_returning_a_number_is_told_to_return_the_tensor() -> None:
+    pipe = GPipe(make_mlp(2), [2, 2], chunks=2)
+    x = torch.randn(4, 6, dtype=torch.float64)
+    with pytest.raises(TypeError, match=r"loss_fn must return a tensor .* got float .*item\(\)"):
+        pipe.train_step(x, x, lambda y, t: F.mse_loss(y, t).item())
+
+
 def test_target_batch_must_match_input() -> None:
     pipe = GPipe(make_mlp(2), [2, 2], chunks=2)
     with pytest.raises(ValueError, match="target has batch size 3 but input has 4"):

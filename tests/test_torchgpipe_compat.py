@@ -11,7 +11,7 @@ from torch.testing import assert_close
 
 from conftest import make_mlp, reference_step
 from gpipe import GPipe
-from gpipe.balance import balance_by_time
+from gpipe.balance import balance_by_memory, balance_by_time
 
 
 def test_extra_devices_go_unused() -> None:
@@ -136,6 +136,14 @@ def test_balance_by_time_takes_torchgpipes_argument_order_too(
     assert len(seen) == 2 and all(m is model and s is sample for m, s in seen)
     for balance in (ours, theirs):
         assert len(balance) == 2 and sum(balance) == len(model) and min(balance) >= 1
+
+
+def test_balance_by_memory_takes_torchgpipes_balance_by_size_argument_order() -> None:
+    model = make_mlp(3).float()
+    sample = torch.randn(4, 6)
+    ours = balance_by_memory(model, sample, 2, kept_microbatches=[2, 1])
+    assert balance_by_memory(2, model, sample, kept_microbatches=[2, 1]) == ours  # type: ignore[arg-type]
+    assert len(ours) == 2 and sum(ours) == len(model)
 
 
 def test_sequential_like_access_matches_the_model_torchgpipe_style() -> None:

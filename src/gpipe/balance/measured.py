@@ -42,8 +42,7 @@ def balance_by_time(
         TypeError: ``module`` is not an ``nn.Sequential`` or ``stages`` not an int.
         ValueError: ``stages`` out of range or an empty sample.
     """
-    if isinstance(module, int) and isinstance(sample, nn.Sequential):  # torchgpipe's order
-        module, sample, stages = sample, stages, module
+    module, sample, stages = _ours(module, sample, stages)
     _check_stages(module, stages)
     measured = profile(module, sample, device=device, repeats=repeats, warmup=warmup)
     return balance_costs(measured.costs("time"), stages)
@@ -62,6 +61,7 @@ def balance_by_memory(
 
     A stage holds its parameters, their gradients and optimizer state once, and the
     activations autograd saves for ``kept_microbatches`` micro-batches at once.
+    torchgpipe's argument order (its ``balance_by_size(stages, module, sample)``) works too.
 
     Args:
         module: the model.
@@ -81,6 +81,7 @@ def balance_by_memory(
         ValueError: ``stages`` out of range, an empty sample, an unknown optimizer, or
             ``kept_microbatches`` with a negative entry or not one entry per stage.
     """
+    module, sample, stages = _ours(module, sample, stages)
     _check_stages(module, stages)
     if isinstance(kept_microbatches, int):
         kept = [kept_microbatches] * stages
@@ -100,6 +101,13 @@ def balance_by_memory(
         )
     ]
     return balance_weighted(fixed, [float(a) for a in measured.activation_bytes], kept)
+
+
+def _ours(module: Any, sample: Any, stages: Any) -> tuple[Any, Any, Any]:
+    """``(module, sample, stages)``, given in ours or torchgpipe's ``(stages, module, sample)``."""
+    if isinstance(module, int) and isinstance(sample, nn.Sequential):
+        return sample, stages, module
+    return module, sample, stages
 
 
 def balance_by_params(module: nn.Sequential, stages: int) -> list[int]:

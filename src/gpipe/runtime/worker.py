@@ -399,6 +399,12 @@ class StageWorker:
                 return output, None
             with streams.scope(LOSS_KEY):
                 value = loss.fn(output, loss.targets[mb])
+            if not isinstance(value, torch.Tensor):
+                raise TypeError(
+                    f"loss_fn must return a tensor (the scalar to differentiate), got "
+                    f"{type(value).__name__} {value!r}: return the loss itself, not "
+                    "float(loss) or loss.item()"
+                )
             step.losses[mb] = value.detach()
             return output, value * loss.weights[mb]
 
