@@ -302,3 +302,20 @@ def test_bad_inputs_found_after_parsing_print_one_error_line_and_exit_2(
     assert captured.err.startswith(f"gpipe {command}: error: ")
     assert message in captured.err
     assert "Traceback" not in captured.err + captured.out
+
+
+def test_plan_imports_a_model_factory_from_the_current_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    package = tmp_path / "usermodels"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "build.py").write_text(
+        "from torch import nn\n\n\ndef make():\n"
+        "    return nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    argv = ["plan", "--model", "usermodels.build:make", "--sample-shape", "8"]
+    assert main([*argv, "--stages", "2", "--schedules", "gpipe", "--no-progress"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1].startswith("RESULT best_schedule=gpipe")

@@ -142,3 +142,46 @@ def test_a_compiled_whole_model_is_refused_with_the_fix() -> None:
         GPipe(model, [1, 1])
     with pytest.raises(TypeError, match=r"compile the layers instead"):
         GPipe(torch.compile(nn.Sequential(nn.Linear(2, 2), nn.Tanh())), [1, 1])  # type: ignore[arg-type]
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l = nn.Linear(8, 8)
+        self.d = nn.Dropout(0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.d(self.l(x)))
+
+
+def _compiled_step(schedule: str) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = nn.Sequential(*[_Block() for _ in range(4)])
+    for layer in model:
+        layer.compile()
+    pipe = GPipe(model, [2, 2], chunks=4, schedule=schedule, checkpoint="never")
+    loss = pipe.train_step(X, TARGET, F.mse_loss)
+    return loss, [p.grad for p in model.parameters()]
+
+
+@pytest.mark.slow
+def test_a_zero_bubble_step_over_donated_buffers_names_the_fix_and_the_fix_trains_as_1f1b(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import torch._functorch.config as functorch_config
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # NOTE: where AOT donated the dropout's buffers when seen
+    try:
+        monkeypatch.setattr(functorch_config, "donated_buffer", True)
+        with pytest.raises(RuntimeError, match=r"donated_buffer = False .* schedule='1f1b'"):
+            _compiled_step("zb-h1")
+        monkeypatch.setattr(functorch_config, "donated_buffer", False)
+        loss, grads = _compiled_step("zb-h1")
+        expected_loss, expected_grads = _compiled_step("1f1b")
+    finally:
+        torch.set_num_threads(threads)
+    assert_close(loss, expected_loss)
+    for grad, expected in zip(grads, expected_grads):
+        assert_close(grad, expected)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
+import sys
 from typing import TYPE_CHECKING, Any
 
 from gpipe.checkpoint import CHECKPOINT_MODES
@@ -191,10 +193,16 @@ def _load_model(
         raise CommandError(
             f"--model must be module:function, e.g. mypkg.models:build; got {spec!r}"
         )
+    # NOTE: a console script's sys.path lacks the current folder, where the user's package
+    # usually is; `python -m` and a script run there both find it
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
     try:
         factory = getattr(importlib.import_module(path), name)
     except (ImportError, AttributeError) as error:
-        raise CommandError(f"--model {spec}: {error}") from None
+        raise CommandError(
+            f"--model {spec}: {error} (looked in the current folder and on PYTHONPATH)"
+        ) from None
     try:
         made = factory()
     except Exception as error:

@@ -271,7 +271,19 @@ class StageWorker:
         inputs = _grad_leaves(saved.inputs)
         wanted = [leaf for leaf in inputs if leaf is not None]
         if step.split_backward:
-            found, saved.weight = backward_input(roots, wanted, self._trainable(stage))
+            try:
+                found, saved.weight = backward_input(roots, wanted, self._trainable(stage))
+            except RuntimeError as error:
+                if "donated buffers" not in str(error):
+                    raise
+                # NOTE: the split backward keeps the graph for W, which a compiled
+                # backward that reuses ("donates") its saved buffers cannot allow
+                raise RuntimeError(
+                    "a torch.compile'd layer donates its saved buffers to its backward, "
+                    "which a zero-bubble schedule runs in two parts (B, then W): set "
+                    "torch._functorch.config.donated_buffer = False before the layers first "
+                    "run, or use schedule='1f1b'"
+                ) from error
         else:
             if roots:
                 torch.autograd.backward(
