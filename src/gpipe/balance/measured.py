@@ -42,7 +42,7 @@ def balance_by_time(
         TypeError: ``module`` is not an ``nn.Sequential`` or ``stages`` not an int.
         ValueError: ``stages`` out of range or an empty sample.
     """
-    module, sample, stages = _ours(module, sample, stages)
+    module, sample, stages = _in_our_order(module, sample, stages)
     _check_stages(module, stages)
     measured = profile(module, sample, device=device, repeats=repeats, warmup=warmup)
     return balance_costs(measured.costs("time"), stages)
@@ -81,7 +81,7 @@ def balance_by_memory(
         ValueError: ``stages`` out of range, an empty sample, an unknown optimizer, or
             ``kept_microbatches`` with a negative entry or not one entry per stage.
     """
-    module, sample, stages = _ours(module, sample, stages)
+    module, sample, stages = _in_our_order(module, sample, stages)
     _check_stages(module, stages)
     if isinstance(kept_microbatches, int):
         kept = [kept_microbatches] * stages
@@ -103,7 +103,7 @@ def balance_by_memory(
     return balance_weighted(fixed, [float(a) for a in measured.activation_bytes], kept)
 
 
-def _ours(module: Any, sample: Any, stages: Any) -> tuple[Any, Any, Any]:
+def _in_our_order(module: Any, sample: Any, stages: Any) -> tuple[Any, Any, Any]:
     """``(module, sample, stages)``, given in ours or torchgpipe's ``(stages, module, sample)``."""
     if isinstance(module, int) and isinstance(sample, nn.Sequential):
         return sample, stages, module

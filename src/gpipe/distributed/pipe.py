@@ -254,7 +254,7 @@ class DistributedGPipe(StepSettings, nn.Module):
         # NOTE: the stage modules of gpipe.split and gpipe.skip.stages hold the user's layers
         # under their names in the user's model, so ties and checkpoints read those names;
         # only stage modules whose names clash are told apart as "stage.name" (see user_view).
-        self._by_stage = flow is not None and not _names_are_distinct(partitions)
+        self._by_stage = flow is not None and _state(partitions) is None
         self.ties = find_ties(
             [_under(s, p) for s, p in enumerate(partitions)] if self._by_stage else partitions,
             placement,
@@ -539,11 +539,12 @@ class DistributedGPipe(StepSettings, nn.Module):
         view = nn.Module()
         if self._flow is not None:
             local = [self._stages.module(stage) for stage in self.local_stages]
-            if self._by_stage:
+            state = None if self._by_stage else _state(local)
+            if state is None:
                 for stage, module in zip(self.local_stages, local):
                     view.add_module(str(stage), module)
                 return view
-            for name, tensor in _state(local).items():
+            for name, tensor in state.items():
                 _place(view, name, tensor)
             return view
         for partition in self.partitions:
@@ -855,25 +856,16 @@ def _first_reader(routes: Routes) -> int:
     return min(routes.reading_input)
 
 
-def _state(modules: Sequence[nn.Module]) -> dict[str, torch.Tensor]:
-    """The parameters and persistent buffers of ``modules`` by their ``state_dict`` names."""
+def _state(modules: Sequence[nn.Module]) -> dict[str, torch.Tensor] | None:
+    """The parameters and persistent buffers of ``modules`` by their ``state_dict`` names;
+    None if one name means different tensors in two of them (a weight tied across stages
+    is one tensor under one name)."""
     state: dict[str, torch.Tensor] = {}
     for module in modules:
         for name, tensor in module.state_dict(keep_vars=True).items():
-            if isinstance(tensor, torch.Tensor):
-                state.setdefault(name, tensor)
+            if isinstance(tensor, torch.Tensor) and state.setdefault(name, tensor) is not tensor:
+                return None
     return state
-
-
-def _names_are_distinct(modules: Sequence[nn.Module]) -> bool:
-    """Whether a name means one tensor in every stage module that uses it (a tied weight
-    read by two stages is one tensor under one name)."""
-    seen: dict[str, int] = {}
-    for module in modules:
-        for name, tensor in module.state_dict(keep_vars=True).items():
-            if seen.setdefault(name, id(tensor)) != id(tensor):
-                return False
-    return True
 
 
 def _place(root: nn.Module, name: str, tensor: torch.Tensor) -> None:
