@@ -6,7 +6,8 @@ received by the action that consumes it (F of the next stage, B of the previous 
 Between one pair of devices, point-to-point libraries such as NCCL match messages in the
 order they were posted, with no tag to tell them apart, so a transport that posts its
 receives in its own action order needs the sender to send in that same order; the
-validator checks that, and a distributed transport reads each device's list from here.
+validator checks that. The distributed runtime posts what :mod:`gpipe.schedule.lowering`
+places, which orders each pair's messages itself.
 """
 
 from __future__ import annotations

@@ -7,12 +7,13 @@ from typing import TYPE_CHECKING
 from gpipe.schedule.action import BACKWARD, FORWARD, KINDS, WEIGHT, Action, dependencies
 from gpipe.schedule.communication import RECV, SEND, Message, communication, keeps_pair_order
 from gpipe.schedule.grid import format_grid
+from gpipe.schedule.lowering import Lowered, replay
 from gpipe.schedule.steps import run_in_steps
 
 if TYPE_CHECKING:
     from gpipe.schedule.schedule import Schedule
 
-__all__ = ["ScheduleError", "validate"]
+__all__ = ["ScheduleError", "check_lowered", "validate"]
 
 _SHOWN = 5  # problems listed per error; the rest are counted
 
@@ -208,3 +209,24 @@ def _check_pair_order(schedule: Schedule) -> tuple[Cells, list[str]]:
             )
             break
     return marks, problems
+
+
+def check_lowered(lowered: Lowered) -> None:
+    """Raise unless ``lowered`` runs to its end under NCCL's rules (see
+    :func:`gpipe.schedule.lowering.replay`): no distributed run of it can hang.
+
+    Raises:
+        ScheduleError: naming the batch each stuck device waits in and what for, with the
+            step × device grid in which the action each one never reached is marked.
+    """
+    stuck = replay(lowered)
+    if stuck is None:
+        return
+    schedule = lowered.schedule
+    marks = [(d, p) for d, p in enumerate(stuck.actions) if p is not None]
+    body = "\n".join(f"  - {p}" for p in stuck.problems[:_SHOWN])
+    raise ScheduleError(
+        f"schedule {schedule.name!r} ({schedule.devices} devices, {schedule.microbatches} "
+        f"micro-batches) would hang when its messages are posted as lowered:\n{body}\n"
+        f"{format_grid(schedule, mark=marks)}"
+    )
