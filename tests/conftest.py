@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import os
 import subprocess
 import sys
 import threading
@@ -12,6 +13,11 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 from torch import nn
+
+# NOTE: every distributed test posts under NCCL's rules (one stream per rank, sends that wait
+# for their receiver; see gpipe.distributed.posting), which gloo alone would forgive: so a
+# program that could hang on NCCL hangs here. Tests of plain gloo's poster set their own.
+os.environ.setdefault("GPIPE_POSTER", "nccl-rules")
 
 
 def make_mlp(

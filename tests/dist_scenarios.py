@@ -8,6 +8,7 @@ the test process asserts on numbers that could fail.
 from __future__ import annotations
 
 import copy
+import os
 import time
 from collections.abc import Callable
 from functools import partial
@@ -162,9 +163,9 @@ def structures(schedule: str) -> Any:
 
 
 def structures_batched(schedule: str) -> Any:
-    """:func:`structures` with every message of several tensors sent and received as one
-    ``batch_isend_irecv`` batch (what NCCL does), here on gloo; and how many batches ran."""
-    from gpipe.distributed import transport
+    """:func:`structures` through NCCL's poster (one ``batch_isend_irecv`` per batch), here
+    on gloo; and how many operations each batch held."""
+    from gpipe.distributed.posting import POSTER
 
     batches = []
     batch = dist.batch_isend_irecv
@@ -173,14 +174,17 @@ def structures_batched(schedule: str) -> Any:
         batches.append(len(ops))
         return batch(ops)
 
-    backends = transport.BATCHED_BACKENDS
-    transport.BATCHED_BACKENDS = frozenset({"gloo"})
+    before = os.environ.get(POSTER)
+    os.environ[POSTER] = "batched"
     dist.batch_isend_irecv = counted
     try:
         return {"results": structures(schedule), "batches": batches}
     finally:
         dist.batch_isend_irecv = batch
-        transport.BATCHED_BACKENDS = backends
+        if before is None:
+            del os.environ[POSTER]
+        else:
+            os.environ[POSTER] = before
 
 
 def dropout_bitwise(balance: list[int]) -> Any:

@@ -8,6 +8,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from gpipe.distributed.mesh import collective_device
+
 __all__ = ["clip_grad_norm_"]
 
 
@@ -40,7 +42,7 @@ def clip_grad_norm_(
         local = torch.nn.utils.get_total_norm(grads, norm_type, False, foreach)
     else:
         local = torch.zeros(())
-    local = local.double().cpu()
+    local = local.double().to(collective_device(group))
     if norm_type == float("inf"):
         dist.all_reduce(local, dist.ReduceOp.MAX, group=group)
         total = local
@@ -48,6 +50,7 @@ def clip_grad_norm_(
         power = local**norm_type
         dist.all_reduce(power, group=group)
         total = power ** (1.0 / norm_type)
+    total = total.cpu()
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(
             f"the total norm of order {norm_type} of the gradients is {total.item()}, so "

@@ -1,8 +1,9 @@
 """The fault channel: a rank that fails says so in the c10d store, and every rank hears it.
 
 A rank whose stage raises (or is interrupted) publishes what failed: its rank, stage,
-micro-batch, action and the error. Every rank watches for that record while it runs (a
-daemon thread polls the store every ``poll`` seconds) and, on seeing it, wakes its own waiting
+micro-batch, action and the error, then wakes every rank's watcher. Each rank's watcher (a
+daemon thread) sits in one blocking ``store.wait`` on a wake-up key of its own, so an idle
+pipe sends the store no requests; woken, it reads the record and wakes its own waiting
 worker with a :class:`PipelineFailure` naming the failing rank. So one rank's error ends every
 rank within a fraction of a second, whoever launched the processes (torchrun, mp.spawn,
 SLURM, or by hand), and no rank waits for a message that will never come.
@@ -12,6 +13,8 @@ The store is torch.distributed's own (the one the process group was initialized 
 
 from __future__ import annotations
 
+import contextlib
+import datetime
 import json
 import re
 import threading
@@ -20,10 +23,13 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import torch.distributed as dist
+
 from gpipe.runtime.transport import Aborted
 
 __all__ = ["Failure", "FaultChannel", "PipelineFailure", "brief", "wait_for"]
 
+_REARM = datetime.timedelta(hours=1)
 # gloo's "[path/file.cc:123] " before its message
 _SOURCE_LINE = re.compile(r"^\[[^\]]*:\d+\] ")
 
@@ -74,10 +80,11 @@ class FaultChannel:
 
     Args:
         store: the c10d store every rank shares.
-        prefix: keys are ``prefix + "/failure"``: one per pipe, so pipes never mix.
+        prefix: keys are ``prefix + "/failure"`` and ``prefix + "/wake/<rank>"``: one set per
+            pipe, so pipes never mix.
         rank: this rank.
         on_failure: called (in the watcher thread) with the first failure any rank reports.
-        poll: seconds between looks at the store.
+        world: how many ranks watch (a failure wakes each).
     """
 
     def __init__(
@@ -86,13 +93,18 @@ class FaultChannel:
         prefix: str,
         rank: int,
         on_failure: Callable[[Failure], None],
-        poll: float = 0.1,
+        world: int,
     ) -> None:
-        self._store = store
+        # NOTE: clients of their own: a TCPStore client serves one request at a time, so a
+        # watcher blocked in wait on the job's shared client would stall every other use of
+        # it (process groups made meanwhile waited the whole wait out)
+        self._store = _own_client(store)
+        self._waiter = _own_client(store)
+        self._prefix = prefix
         self._key = f"{prefix}/failure"
         self._rank = rank
+        self._world = world
         self._on_failure = on_failure
-        self._poll = poll
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self.failure: Failure | None = None
@@ -111,6 +123,9 @@ class FaultChannel:
         try:
             first = self._store.compare_set(self._key, b"", payload)
             winner = _load(first) if first else failure
+            if not first or first == payload:  # this report won: wake every watcher
+                for rank in range(self._world):
+                    self._store.set(self._wake(rank), b"failure")
         except Exception:  # the store itself is gone (its host died): keep our own account
             winner = failure
         self._heard(winner)
@@ -150,18 +165,32 @@ class FaultChannel:
             return
 
     def close(self) -> None:
-        """Stop watching, and wait (one poll at most) for the watcher to end.
+        """Stop watching: wake this rank's watcher, and wait (a second at most) for it.
 
         NOTE: a watcher still asking the store while the interpreter exits can abort the
         process (the store goes away under a thread in C++); pipes close at exit for that.
         """
+        if self._stop.is_set():
+            return
         self._stop.set()
+        with contextlib.suppress(Exception):  # the store is gone: the watcher has ended
+            self._store.set(self._wake(self._rank), b"closed")
         if self._thread is not threading.current_thread():
-            self._thread.join(timeout=2 * self._poll + 1)
+            self._thread.join(timeout=1.0)
+
+    def _wake(self, rank: int) -> str:
+        return f"{self._prefix}/wake/{rank}"
 
     def _watch(self) -> None:
-        while not self._stop.wait(self._poll):
-            if self.check() is not None:
+        """Block on this rank's wake-up key (re-armed each hour) until a failure or close."""
+        while not self._stop.is_set():
+            try:
+                self._waiter.wait([self._wake(self._rank)], _REARM)
+            except Exception as error:
+                if "timeout" not in str(error).lower():  # the store is gone
+                    return
+                continue
+            if self._stop.is_set() or self.check() is not None:
                 return
 
     def _heard(self, failure: Failure) -> None:
@@ -170,6 +199,23 @@ class FaultChannel:
                 return
             self.failure = failure
         self._on_failure(failure)
+
+
+def _own_client(store: Any) -> Any:
+    """A new client of ``store``'s server when it is a TCPStore (under any prefixes: keys are
+    then the server's own), else ``store`` itself (an in-process store serves many at once)."""
+    base = store
+    while isinstance(base, dist.PrefixStore):
+        base = base.underlying_store
+    if not isinstance(base, dist.TCPStore):
+        return store
+    return dist.TCPStore(
+        base.host,
+        base.port,
+        is_master=False,
+        timeout=base.timeout,  # type: ignore[attr-defined]
+        wait_for_workers=False,
+    )
 
 
 def _load(payload: bytes) -> Failure:

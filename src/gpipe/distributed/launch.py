@@ -60,7 +60,10 @@ def init(
         torch.cuda.set_device(device())
     if not isinstance(timeout, datetime.timedelta):
         timeout = datetime.timedelta(seconds=timeout)
-    dist.init_process_group(backend, timeout=timeout)
+    # NOTE: on NCCL, bound to this rank's GPU at once (every communicator made eagerly, on
+    # the right device); gloo takes no device.
+    bound = device() if backend == "nccl" else None
+    dist.init_process_group(backend, timeout=timeout, device_id=bound)
     atexit.register(_shutdown)
     return dist.get_rank(), dist.get_world_size()
 

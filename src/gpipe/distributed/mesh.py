@@ -77,6 +77,14 @@ class Groups:
     mesh: DeviceMesh
 
 
+def collective_device(group: Any) -> torch.device:
+    """Where a tensor for a collective on ``group`` must be: NCCL takes CUDA tensors only
+    (this rank's GPU), gloo CPU tensors."""
+    if str(dist.get_backend(group)) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def device() -> torch.device:
     """This rank's device: ``cuda:LOCAL_RANK`` with CUDA, else the CPU."""
     if torch.cuda.is_available() and torch.cuda.device_count():
@@ -137,3 +145,9 @@ def forget(groups: Groups) -> None:
     for key, cached in list(_CACHE.items()):
         if cached is groups:
             del _CACHE[key]
+    # NOTE: on NCCL a receive that will never match stays on the group's stream, and the
+    # watchdog would kill the process over it: aborting the failed step's groups drops it
+    # (gloo's abort cannot wake a wait, and its pending work ends with its links).
+    for group in {id(g): g for g in (groups.pipeline, groups.replicas) if g is not None}.values():
+        if str(dist.get_backend(group)) == "nccl":
+            group.abort()

@@ -36,16 +36,16 @@ from gpipe.batchnorm import (
 from gpipe.dataflow import Stages, named_batch_dims
 from gpipe.distributed.clipping import clip_grad_norm_
 from gpipe.distributed.clock import offsets_to_rank0
+from gpipe.distributed.executor import Executor
 from gpipe.distributed.faults import Failure, FaultChannel, PipelineFailure, wait_for
 from gpipe.distributed.fingerprint import check_same_everywhere
 from gpipe.distributed.link import measure_link
 from gpipe.distributed.materialize import keep_only
-from gpipe.distributed.mesh import Layout, forget, groups_for
+from gpipe.distributed.mesh import Layout, collective_device, forget, groups_for
 from gpipe.distributed.mesh import device as default_device
 from gpipe.distributed.replicas import GradientSync, last_gradient_actions
 from gpipe.distributed.ties import TiedWeights, find_ties, tie_groups
 from gpipe.distributed.timeline import gather_timeline, predict
-from gpipe.distributed.transport import P2PTransport, inbound
 from gpipe.loss import check_loss_arguments, microbatch_weights, normalized, weighted_total
 from gpipe.microbatch import (
     BatchDims,
@@ -63,10 +63,12 @@ from gpipe.runtime.stages import StageSet
 from gpipe.runtime.state import Loss, StepState
 from gpipe.runtime.step import Step
 from gpipe.schedule import FORWARD, Action, Schedule, check_virtual_stages
+from gpipe.schedule.lowering import Batch, Flow, lower
+from gpipe.schedule.validate import check_lowered
 from gpipe.settings import StepSettings
 from gpipe.skip import has_skippables
 from gpipe.skip import stages as skip_stages
-from gpipe.structure import map_tensors
+from gpipe.structure import leaves, map_tensors
 
 __all__ = ["DistributedGPipe", "close_all"]
 
@@ -80,7 +82,7 @@ def close_all() -> bool:
     """Stop every open pipe's threads; whether none of them saw a failure.
 
     A pipe that failed may have threads still waiting in gloo: its links are closed so
-    they end now, not as the interpreter finalizes (see P2PTransport.release).
+    they end now, not as the interpreter finalizes (see Executor.release).
     """
     healthy = True
     for pipe in list(_OPEN):
@@ -170,6 +172,59 @@ class DistributedGPipe(StepSettings, nn.Module):
                 "DistributedGPipe needs a process group: call gpipe.distributed.init() first "
                 "(and launch with torchrun)"
             )
+        # NOTE: the fault channel comes before the first collective of construction, so a
+        # rank that fails while building (a bad init_fn, out of memory) ends every rank at
+        # once, naming itself, instead of leaving them in a collective until the timeout.
+        # The default store is the one every rank already shares (torchrun's agent's or rank
+        # 0's); torch offers no public accessor for it.
+        store = dist.distributed_c10d._get_default_store()
+        self._state: StepState | None = None
+        me = weakref.ref(self)
+
+        def on_failure(failure: Failure) -> None:  # the watcher must not keep the pipe alive
+            pipe = me()
+            if pipe is not None:
+                pipe._on_failure(failure)
+
+        self.rank = dist.get_rank()
+        self._faults = FaultChannel(
+            store, f"gpipe/pipe{next(_COUNTER)}", self.rank, on_failure, dist.get_world_size()
+        )
+        try:
+            self._construct(
+                module, balance, chunks, checkpoint, schedule, virtual_stages, dp_size, zero,
+                tied, init_fn, timeout, track_memory, deferred_batch_norm, input_batch_dims,
+                output_batch_dims, overlap,
+            )  # fmt: skip
+        except BaseException as error:
+            if not isinstance(error, PipelineFailure):
+                first = next(iter(str(error).splitlines()), "")
+                self._faults.publish(
+                    Failure(self.rank, f"{type(error).__name__} while building the pipe: {first}")
+                )
+            self._faults.close()
+            raise
+
+    def _construct(
+        self,
+        module: nn.Sequential,
+        balance: Sequence[int] | str | None,
+        chunks: int,
+        checkpoint: str,
+        schedule: str | Schedule,
+        virtual_stages: int,
+        dp_size: int,
+        zero: bool,
+        tied: Sequence[tuple[str, str]],
+        init_fn: Callable[[nn.Module], None] | None,
+        timeout: float,
+        track_memory: bool,
+        deferred_batch_norm: bool,
+        input_batch_dims: BatchDims,
+        output_batch_dims: BatchDims,
+        overlap: bool,
+    ) -> None:
+        """The constructor's work, once the fault channel is up (see ``__init__``)."""
         flow = module if isinstance(module, Stages) else None
         if flow is None:
             check_model(module, "DistributedGPipe")
@@ -190,7 +245,6 @@ class DistributedGPipe(StepSettings, nn.Module):
                 f"equally: launch a multiple of {dp_size} processes"
             )
         self.layout = Layout(dp_size, world // dp_size, dist.get_rank())
-        self.rank = self.layout.rank
         self.chunks = chunks
         self.checkpoint = checkpoint
         self.input_batch_dims = check_batch_dims(input_batch_dims, "input_batch_dims")
@@ -243,8 +297,10 @@ class DistributedGPipe(StepSettings, nn.Module):
                 "dp_size": dp_size,
                 "zero": zero,
                 "layers": [type(layer).__name__ for layer in module],
+                "shapes": [[n, list(p.shape)] for n, p in module.named_parameters()],
                 "dataflow": None if flow is None else repr(flow.dataflow),
-            }
+            },
+            self._wait,
         )
 
         if deferred_batch_norm:
@@ -263,6 +319,9 @@ class DistributedGPipe(StepSettings, nn.Module):
         self.local_stages = [s for s in range(stages) if placement[s] == self.layout.position]
         held = [p if s in self.local_stages else None for s, p in enumerate(partitions)]
         keep_only(partitions, held, self.torch_device, init_fn)
+        # NOTE: every rank built its stages (init_fn ran) before any makes groups: a rank
+        # that failed has said so, and the others hear it here
+        self._wait(dist.barrier(async_op=True))
         self.partitions = nn.ModuleList([p for p in held if p is not None])
         self._deferred = [
             m for p in self.partitions for m in p.modules() if isinstance(m, DeferredBatchNorm)
@@ -289,19 +348,7 @@ class DistributedGPipe(StepSettings, nn.Module):
         if tuple(pipeline) not in _LINKS:
             _LINKS[tuple(pipeline)] = measure_link(pipeline, self.groups.control)
         self._link = _LINKS[tuple(pipeline)]
-        # NOTE: the default store is the one every rank already shares (torchrun's agent's
-        # or rank 0's); torch offers no public accessor for it.
-        store = dist.distributed_c10d._get_default_store()
-        self._state: StepState | None = None
-        me = weakref.ref(self)
-
-        def on_failure(failure: Failure) -> None:  # the watcher must not keep the pipe alive
-            pipe = me()
-            if pipe is not None:
-                pipe._on_failure(failure)
-
-        self._faults = FaultChannel(store, f"gpipe/pipe{next(_COUNTER)}", self.rank, on_failure)
-        self._transport = P2PTransport(
+        self._transport = Executor(
             placement,
             self.layout.position,
             pipeline,
@@ -313,6 +360,7 @@ class DistributedGPipe(StepSettings, nn.Module):
             overlap,
         )
         self._last: tuple[Step, Schedule] | None = None
+        self._shapes = 0  # the step's input shapes, as a number (see _begin)
         self._announced: Any = None  # this rank's step header, while it may be in flight
         self._ran = False  # whether this rank ran its actions of the step under way
         _OPEN.add(self)
@@ -401,9 +449,7 @@ class DistributedGPipe(StepSettings, nn.Module):
                 total_loss = weighted_total(loss.weights, step.state.losses)
                 value[0] = total_loss.detach().double().cpu()
                 if self.layout.dp > 1:
-                    self._collective(
-                        lambda: dist.all_reduce(value, group=self.groups.replicas, async_op=True)
-                    )
+                    value[0] = self._summed(value[0], self.groups.replicas)
                 if total_loss.dtype in _LOSS_DTYPES:
                     value[1] = _LOSS_DTYPES.index(total_loss.dtype)
             self._announced_wait()
@@ -573,7 +619,9 @@ class DistributedGPipe(StepSettings, nn.Module):
     def close(self) -> None:
         """Stop this pipe's background threads (also done when it is garbage collected)."""
         self._faults.close()
-        self._transport.close()
+        transport = self.__dict__.get("_transport")
+        if transport is not None:  # NOTE: none if building the pipe failed
+            transport.close()
 
     def __del__(self) -> None:
         if self.__dict__.get("_faults") is not None:
@@ -597,11 +645,12 @@ class DistributedGPipe(StepSettings, nn.Module):
         """Agree on the step: micro-batches and samples (from the first stage), the seed."""
         seed = draw_step_seed() if self.training else 0
         known = (
-            [0, 0]
+            [0, 0, 0]
             if microbatches is None
             else [
                 len(microbatches),
                 batch_size(part, self._input_dims()),
+                _shapes_code(microbatches),
             ]
         )
         code = self._settings_code()
@@ -615,7 +664,8 @@ class DistributedGPipe(StepSettings, nn.Module):
             self._announced = work
         else:
             self._wait(work)
-        count, total, seed, theirs = header.tolist()
+        count, total, shapes, seed, theirs = header.tolist()
+        self._shapes = shapes
         if theirs != code:
             failure = self._transport.fail(
                 Failure(
@@ -677,9 +727,7 @@ class DistributedGPipe(StepSettings, nn.Module):
         if reduction == "mean":
             whole = torch.tensor(sum(weights), dtype=torch.float64)
             if self.layout.dp > 1:  # normalized over every replica's part of the batch
-                self._collective(
-                    lambda: dist.all_reduce(whole, group=self.groups.replicas, async_op=True)
-                )
+                whole = self._summed(whole, self.groups.replicas)
             weights = normalized(weights, float(whole))
         return Loss(loss_fn, [_on(t, self.torch_device) for t in targets], weights)
 
@@ -706,11 +754,19 @@ class DistributedGPipe(StepSettings, nn.Module):
             microbatch_offset=self.layout.replica * self.chunks,
             after=after,
         )
+        transport = self._transport
+        if after is None:
+            state.after = transport.ran
+        else:
+
+            def both(action: Action) -> None:
+                transport.ran(action)
+                after(action)
+
+            state.after = both
         self._state = state
-        step = Step(self._stages, self._transport, state)
-        self._transport.expect(
-            inbound(schedule, self.layout.position, self._routes), key=(grad, count)
-        )
+        step = Step(self._stages, transport, state)
+        transport.begin(self._program(schedule), key=(grad, self.training, count, self._shapes))
         if inputs is not None:
             feed(step, inputs, self._holds)
         actions = [
@@ -722,6 +778,29 @@ class DistributedGPipe(StepSettings, nn.Module):
             self._transport.finish()
         self._ran = True
         return step
+
+    def _program(self, schedule: Schedule) -> list[Batch]:
+        """This rank's batches of ``schedule`` lowered (once per schedule), checked to run
+        to its end under NCCL's rules on every rank."""
+        programs: dict[Any, tuple[Schedule, list[Batch]]] = self.__dict__.setdefault(
+            "_programs", {}
+        )
+        key = (schedule.microbatches, schedule.split_backward, len(schedule))
+        known = programs.get(key)
+        if known is None or known[0].actions != schedule.actions:
+            lowered = lower(schedule, self._flow_links())
+            check_lowered(lowered)
+            known = programs[key] = (schedule, lowered.batches(self.layout.position))
+        return known[1]
+
+    def _flow_links(self) -> Flow | None:
+        routes = self._routes
+        if routes is None:
+            return None
+        return Flow(
+            tuple(tuple(source for source, _ in routes.sources[s]) for s in range(routes.count)),
+            tuple(tuple(reader for reader, _ in routes.readers[s]) for s in range(routes.count)),
+        )
 
     def _gradient_sync(self, schedule: Schedule) -> GradientSync | None:
         if self.layout.dp == 1:
@@ -795,18 +874,41 @@ class DistributedGPipe(StepSettings, nn.Module):
                 self._faults.acknowledge(dist.get_world_size())
             raise
 
+    def _summed(self, scalar: torch.Tensor, group: Any) -> torch.Tensor:
+        """``scalar`` summed over ``group``'s ranks, on the device its backend takes (a CUDA
+        tensor on NCCL), back on the CPU."""
+        here = scalar.to(collective_device(group))
+        self._collective(lambda: dist.all_reduce(here, group=group, async_op=True))
+        return here.cpu()
+
     def _collective(self, start: Callable[[], Any]) -> None:
         """Run a collective (``start`` returns its Work) and wait for it, or for a failure."""
         self._wait(start())
 
     def _wait(self, work: Any) -> None:
-        wait_for(work, self._faults, lambda: self._transport.failure, self.rank)
+        transport = self.__dict__.get("_transport")
+        failed = (lambda: transport.failure) if transport else (lambda: self._faults.failure)
+        wait_for(work, self._faults, failed, self.rank)
 
     def _on_failure(self, failure: Failure) -> None:
         state = self._state
         if state is not None:
             state.failed = True  # the worker stops before its next action
-        self._transport.fail(failure)
+        transport = self.__dict__.get("_transport")
+        if transport is not None:  # NOTE: none yet while the pipe is being built
+            transport.fail(failure)
+
+
+def _shapes_code(microbatches: list[Any]) -> int:
+    """A number standing for the micro-batches' structure, shapes and dtypes: what the
+    shapes of every message of a step follow from."""
+    described = [
+        (tuple(leaf.shape), str(leaf.dtype), leaf.requires_grad)
+        if isinstance(leaf, torch.Tensor)
+        else repr(leaf)
+        for leaf in leaves(microbatches)
+    ]
+    return zlib.crc32(repr(described).encode())
 
 
 def _balance(module: nn.Sequential, balance: Any, stages: int) -> Any:

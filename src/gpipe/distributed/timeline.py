@@ -10,7 +10,7 @@ from typing import Any
 import torch.distributed as dist
 
 from gpipe.analysis import Costs, Event, Timeline, Transfer, simulate, skips_from_timeline
-from gpipe.distributed.transport import P2PTransport
+from gpipe.distributed.executor import Executor
 from gpipe.runtime.step import Step
 from gpipe.runtime.transport import ACTIVATION, sending_stage
 from gpipe.schedule import BACKWARD, FORWARD, Action, Schedule
@@ -21,7 +21,7 @@ __all__ = ["gather_timeline", "predict"]
 def gather_timeline(
     step: Step,
     schedule: Schedule,
-    transport: P2PTransport,
+    transport: Executor,
     device: int,
     pipeline: list[int],
     offset_ns: int,

@@ -7,16 +7,15 @@ numbers each new signature on its channel and sends it once; after that a messag
 signature's number and its tensors. Both sides keep the numbering, so a channel whose shapes
 do not change (the usual case) never sends a signature again.
 
-The tree's structure travels as torch's own pytree serialization (``treespec_dumps``); the
-leaf descriptions and non-tensor values are pickled, as torch.distributed's object
-collectives (``send_object_list``) do: they travel only between the ranks of one job.
-Non-tensor leaves must be picklable; a namedtuple must be registered with pytree.
+The tree's structure travels as torch's own pytree serialization (``treespec_dumps``, JSON)
+and the leaf descriptions as JSON too: nothing a peer sends is ever unpickled. Non-tensor
+leaves must be JSON values (numbers, strings, booleans, None, and lists or dicts of them);
+a namedtuple must be registered with pytree.
 """
 
 from __future__ import annotations
 
-import io
-import pickle
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,12 +56,12 @@ def flatten(value: Any) -> tuple[Signature, list[torch.Tensor]]:
 
 
 def encode(signature: Signature) -> torch.Tensor:
-    """The signature as a uint8 tensor, to send on a channel the first time it is used.
+    """The signature as a uint8 tensor (UTF-8 JSON), to send when a channel first needs it.
 
     Raises:
-        TypeError: a non-tensor leaf cannot be pickled, so it cannot cross processes.
+        TypeError: the structure or a non-tensor leaf has no JSON form, so it cannot cross
+            processes.
     """
-    buffer = io.BytesIO()
     try:
         structure = pytree.treespec_dumps(signature.spec)
     except (NotImplementedError, TypeError) as error:
@@ -70,22 +69,49 @@ def encode(signature: Signature) -> torch.Tensor:
             f"a stage boundary carries a structure torch cannot describe to another process: "
             f"{error}"
         ) from error
+    leaves = [
+        ["t", list(leaf[1]), str(leaf[2]).removeprefix("torch."), leaf[3]]
+        if leaf[0] == "t"
+        else ["v", leaf[1]]
+        for leaf in signature.leaves
+    ]
     try:
-        pickle.dump((structure, signature.leaves), buffer, protocol=pickle.HIGHEST_PROTOCOL)
-    except (pickle.PicklingError, TypeError, AttributeError) as error:
+        text = json.dumps([structure, leaves], allow_nan=True)
+    except (TypeError, ValueError) as error:
         values = [type(leaf[1]).__name__ for leaf in signature.leaves if leaf[0] == "v"]
         raise TypeError(
-            f"a stage boundary carries values that cannot be pickled ({', '.join(values)}), so "
-            "they cannot travel between processes; pass tensors, numbers, strings or other "
-            f"picklable values across stages ({error})"
+            f"a stage boundary carries values with no JSON form ({', '.join(values)}), so they "
+            "cannot travel between processes; pass tensors, numbers, strings, booleans or "
+            f"None (or lists and dicts of them) across stages ({error})"
         ) from error
-    return torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+    if json.loads(text)[1] != leaves:  # a tuple leaf would come back a list: say so now
+        raise TypeError(
+            "a stage boundary carries non-tensor values that JSON changes (tuples, "
+            "non-string dict keys): pass them as lists or tensors"
+        )
+    return torch.frombuffer(bytearray(text.encode()), dtype=torch.uint8)
 
 
 def decode(data: torch.Tensor) -> Signature:
-    """The signature :func:`encode` made (from a rank of the same job)."""
-    structure, leaves = pickle.loads(data.numpy().tobytes())
-    return Signature(pytree.treespec_loads(structure), leaves)
+    """The signature :func:`encode` made: JSON, so a peer's bytes can never run code.
+
+    Raises:
+        ValueError: the bytes are not a signature (a peer of another version or program).
+    """
+    try:
+        structure, leaves = json.loads(bytes(data.cpu().numpy()).decode())
+        parsed: list[Leaf] = []
+        for leaf in leaves:
+            if leaf[0] == "t":
+                dtype = getattr(torch, leaf[2])
+                if not isinstance(dtype, torch.dtype):
+                    raise ValueError(f"{leaf[2]!r} is no dtype")
+                parsed.append(("t", tuple(int(n) for n in leaf[1]), dtype, bool(leaf[3])))
+            else:
+                parsed.append(("v", leaf[1]))
+        return Signature(pytree.treespec_loads(structure), tuple(parsed))
+    except (ValueError, TypeError, IndexError, AttributeError, UnicodeDecodeError) as error:
+        raise ValueError(f"a peer sent a message signature that cannot be read: {error}") from error
 
 
 def receive_buffers(signature: Signature, device: torch.device) -> list[torch.Tensor]:
