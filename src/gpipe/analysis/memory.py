@@ -100,9 +100,11 @@ def memory_columns(
     )
     s, i = columns.stage, columns.microbatch
     forward, backward = columns.kind == KINDS.index(FORWARD), columns.kind == KINDS.index(BACKWARD)
-    again_i = again[i]
-    allocated = np.where(again_i, kept_[s], full_[s])
-    recomputed = np.where(again_i, full_[s] - kept_[s], 0)
+    allocated, recomputed = full_[s], np.zeros(1, dtype)
+    if again.any():
+        again_i = again[i]
+        allocated = np.where(again_i, kept_[s], allocated)
+        recomputed = np.where(again_i, full_[s] - kept_[s], 0)
     # What each action changes: F allocates; B frees (keeps what W needs, when split); W
     # frees the micro-batch, its input, activations and gradients.
     if split:

@@ -13,7 +13,7 @@ import numpy as np
 from gpipe.analysis.columns import ActionColumns, SimulatedColumns, TransferColumns
 from gpipe.analysis.memory import memory_columns
 from gpipe.analysis.timeline import Timeline
-from gpipe.schedule import BACKWARD, FORWARD, WEIGHT, Schedule, ScheduleError, validate
+from gpipe.schedule import BACKWARD, FORWARD, KINDS, WEIGHT, Schedule, ScheduleError, validate
 
 __all__ = ["Costs", "costs_from_timeline", "simulate", "skips_from_timeline"]
 
@@ -163,7 +163,7 @@ def _simulate(schedule: Schedule, costs: Costs, skips: Sequence[Skip]) -> Timeli
     key = kind * size + stage * microbatches + mb  # F, B, W of (stage, micro-batch)
     if (place[stage] != columns.device).any() or (np.bincount(key, minlength=3 * size) > 1).any():
         raise _invalid(schedule)
-    waits = _waits(kind, stage, mb, stages, microbatches, edge, sizes, skips, placement, costs)
+    waits = _waits(kind, stage, mb, stages, microbatches, edge, skips, placement, costs)
     duration = np.array([forward, backward, weight], np.float64)[kind, stage]
     times = _run(columns, key, waits, duration)
     if times is None:
@@ -178,22 +178,23 @@ def _simulate(schedule: Schedule, costs: Costs, skips: Sequence[Skip]) -> Timeli
         gradient=gradient_bytes,
         deferred=deferred_bytes,
     )
-    messages = _messages(columns, waits, finished, placement)
+    messages = _messages(columns, waits, finished, placement, sizes)
     simulated = SimulatedColumns(schedule.actions, columns.offsets, start, end, memory, messages)
     return Timeline.from_columns(simulated, "cost", schedule.name)
 
 
 @dataclass(frozen=True)
 class _Waits:
-    """Per action, what it waits for: ``key[:, j]`` the finish-time key of its j-th
-    prerequisite (``none`` for a free slot), ``extra[:, j]`` the transfer time on top, and
-    ``sender[:, j]`` the stage that sends it. Column 0 is the input (F) or the gradient
-    from the next stage (B), column 1 a backward's own forward, then one per skip."""
+    """Per action, what it waits for, one array per column: ``key[j]`` the finish-time key
+    of its j-th prerequisite (``none``: nothing) and ``extra[j]`` the transfer time on top
+    (None: always 0). Column 0 is the input (F) or the gradient from the next stage (B),
+    column 1 a backward's own forward or a W's backward, then one per skip, whose sending
+    stage and bytes are ``sender[j]`` and ``nbytes[j]``."""
 
-    key: np.ndarray
-    extra: np.ndarray
-    sender: np.ndarray
-    nbytes: np.ndarray
+    key: list[np.ndarray]
+    extra: list[np.ndarray | None]
+    sender: dict[int, np.ndarray]
+    nbytes: dict[int, np.ndarray]
     none: int
 
 
@@ -204,76 +205,93 @@ def _waits(
     stages: int,
     microbatches: int,
     edge: list[float],
-    sizes: list[float],
     skips: Sequence[Skip],
     placement: tuple[int, ...],
     costs: Costs,
 ) -> _Waits:
     size = stages * microbatches
     none = 3 * size
-    is_f, is_b, is_w = (kind == code for code in range(3))
-    width = 2 + max((sum(1 for s in skips if s[1] == r) for r in range(stages)), default=0)
-    width = max(
-        width, 2 + max((sum(1 for s in skips if s[0] == r) for r in range(stages)), default=0)
-    )
-    count = len(kind)
-    key = np.full((count, width), none, np.int64)
-    extra = np.zeros((count, width), np.float64)
-    sender = np.zeros((count, width), np.int64)
-    nbytes = np.zeros((count, width), np.float64)
+    is_f, is_b = kind == KINDS.index(FORWARD), kind == KINDS.index(BACKWARD)
     index = stage * microbatches + mb
-    edges = np.array(edge, np.float64)
-    between = np.array(sizes, np.float64)
+    edges = np.array([*edge, 0.0])  # edges[-1]: before stage 0, nothing
     # F(s, i) waits for F(s-1, i); B(s, i) for B(s+1, i) and F(s, i); W(s, i) for B(s, i).
-    f_in = is_f & (stage > 0)
-    key[f_in, 0] = index[f_in] - microbatches
-    extra[f_in, 0] = edges[stage[f_in] - 1]
-    sender[f_in, 0] = stage[f_in] - 1
-    nbytes[f_in, 0] = between[stage[f_in] - 1]
-    b_in = is_b & (stage + 1 < stages)
-    key[b_in, 0] = size + index[b_in] + microbatches
-    extra[b_in, 0] = edges[stage[b_in]]
-    sender[b_in, 0] = stage[b_in] + 1
-    nbytes[b_in, 0] = between[stage[b_in]]
-    key[is_b, 1] = index[is_b]
-    key[is_w, 1] = size + index[is_w]
-    # A skip: the reader's F waits for the sender's F, the sender's B for the reader's B.
-    filled_f = np.zeros(stages, np.int64)
-    filled_b = np.zeros(stages, np.int64)
+    valid = np.where(is_f, stage > 0, is_b & (stage + 1 < stages))
+    key = [
+        np.where(valid, np.where(is_f, index - microbatches, size + index + microbatches), none),
+        np.where(is_f, none, np.where(is_b, index, size + index)),
+    ]
+    extra: list[np.ndarray | None] = [
+        np.where(valid, edges[np.where(is_f, stage - 1, stage)], 0.0),
+        None,
+    ]
+    # A skip: the reader's F waits for the sender's F, the sender's B for the reader's B;
+    # each stage's skips fill columns 2, 3, ... in the order given.
+    sender: dict[int, np.ndarray] = {}
+    nbytes: dict[int, np.ndarray] = {}
+    filled = {FORWARD: [2] * stages, BACKWARD: [2] * stages}
     for sending, reading, count_bytes in skips:
         cost = 0.0
         if placement[sending] != placement[reading]:
             cost = costs.transfer + costs.latency + count_bytes / costs.bandwidth
-        rows = is_f & (stage == reading)
-        column = 2 + filled_f[reading]
-        filled_f[reading] += 1
-        key[rows, column] = sending * microbatches + mb[rows]
-        extra[rows, column], sender[rows, column], nbytes[rows, column] = cost, sending, count_bytes
-        rows = is_b & (stage == sending)
-        column = 2 + filled_b[sending]
-        filled_b[sending] += 1
-        key[rows, column] = size + reading * microbatches + mb[rows]
-        extra[rows, column], sender[rows, column], nbytes[rows, column] = cost, reading, count_bytes
+        for rows, mine, other, offset, which in (
+            (is_f, reading, sending, 0, FORWARD),
+            (is_b, sending, reading, size, BACKWARD),
+        ):
+            column = filled[which][mine]
+            filled[which][mine] += 1
+            if column == len(key):
+                key.append(np.full(len(kind), none))
+                extra.append(np.zeros(len(kind)))
+                sender[column] = np.zeros(len(kind), np.int64)
+                nbytes[column] = np.zeros(len(kind))
+            at = rows & (stage == mine)
+            key[column][at] = offset + other * microbatches + mb[at]
+            more = extra[column]
+            assert more is not None
+            more[at], sender[column][at], nbytes[column][at] = cost, other, count_bytes
     return _Waits(key, extra, sender, nbytes, none)
 
 
 def _messages(
-    columns: ActionColumns, waits: _Waits, finished: np.ndarray, placement: tuple[int, ...]
+    columns: ActionColumns,
+    waits: _Waits,
+    finished: np.ndarray,
+    placement: tuple[int, ...],
+    sizes: list[float],
 ) -> TransferColumns:
     """The messages the actions waited for, one per prerequisite on another device (a
-    nonzero transfer time), in action order."""
-    row, column = np.nonzero((waits.key != waits.none) & (waits.extra != 0))
-    sent = finished[waits.key[row, column]]
-    sender = waits.sender[row, column]
+    nonzero transfer time), in action order, a neighbour's before the skips'."""
+    rows, senders, nbytes, sent, arrived = [], [], [], [], []
+    for column, (key, extra) in enumerate(zip(waits.key, waits.extra)):
+        if extra is None:
+            continue
+        row = np.flatnonzero(extra != 0)
+        stage = columns.stage[row]
+        if column == 0:
+            sender = stage + np.where(columns.kind[row] == KINDS.index(FORWARD), -1, 1)
+            carried = np.array(sizes)[np.minimum(stage, sender)]
+        else:
+            sender, carried = waits.sender[column][row], waits.nbytes[column][row]
+        rows.append(row)
+        senders.append(sender)
+        nbytes.append(carried)
+        sent.append(finished[key[row]])
+        arrived.append(sent[-1] + extra[row])
+
+    def merged(parts: list[np.ndarray]) -> np.ndarray:
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)[order]
+
+    order = np.argsort(np.concatenate(rows), kind="stable") if len(rows) > 1 else None
+    row, sender = merged(rows), merged(senders)
     return TransferColumns(
         kind=columns.kind[row],
         stage=columns.stage[row],
         microbatch=columns.microbatch[row],
         source=np.array(placement, np.int64)[sender],
         target=columns.device[row],
-        start=sent,
-        end=sent + waits.extra[row, column],
-        nbytes=waits.nbytes[row, column].astype(np.int64),
+        start=merged(sent),
+        end=merged(arrived),
+        nbytes=merged(nbytes).astype(np.int64),
         sender=sender,
     )
 
@@ -303,15 +321,15 @@ def _run(
     # time; column 1 (a backward's own forward, a W's backward) none.
     deps: list[np.ndarray] = []
     extra: list[np.ndarray | None] = []
-    for j in range(waits.key.shape[1]):
+    for key_j, extra_j in zip(waits.key, waits.extra):
         dep = np.full(slots, free, np.int64)
-        dep[slot] = by_key[waits.key[:, j]]
+        dep[slot] = by_key[key_j]
         dep[stops] = stops  # a stop waits for itself: never
         deps.append(dep)
         more = None
-        if j != 1:
+        if extra_j is not None:
             more = np.zeros(slots)
-            more[slot] = waits.extra[:, j]
+            more[slot] = extra_j
         extra.append(more)
     lasting = np.zeros(slots)
     lasting[slot] = duration
