@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import gc
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from itertools import chain
 
@@ -15,6 +17,20 @@ __all__ = ["ActionColumns", "SimulatedColumns", "TransferColumns"]
 
 _CODES = np.zeros(256, np.int64)  # a kind's letter (its byte) -> its index in KINDS
 _CODES[[ord(kind) for kind in KINDS]] = range(len(KINDS))
+
+
+@contextlib.contextmanager
+def _collector_paused() -> Iterator[None]:
+    """NOTE: a long schedule makes hundreds of thousands of events, none in a reference
+    cycle; left on, the cyclic garbage collector rescans them all, again and again, and
+    takes as long as making them."""
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if collecting:
+            gc.enable()
 
 
 @dataclass(frozen=True)
@@ -69,6 +85,10 @@ class TransferColumns:
 
     def transfers(self) -> list[Transfer]:
         kinds = [KINDS[k] for k in self.kind.tolist()]
+        with _collector_paused():
+            return self._made(kinds)
+
+    def _made(self, kinds: list[str]) -> list[Transfer]:
         return [
             Transfer(*fields)
             for fields in zip(
@@ -106,6 +126,10 @@ class SimulatedColumns:
         return [listed[a:b] for a, b in zip(self.offsets, self.offsets[1:])]
 
     def events(self) -> list[list[Event]]:
+        with _collector_paused():
+            return self._made()
+
+    def _made(self) -> list[list[Event]]:
         return [
             list(map(Event, actions, starts, ends, memory))
             for actions, starts, ends, memory in zip(
