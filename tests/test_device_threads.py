@@ -103,3 +103,18 @@ def test_a_thread_that_cannot_start_fails_the_step_without_leaving_a_worker_bloc
     assert_close(pipe.train_step(x, target, F.mse_loss), expected)
     assert_close([p.grad for p in model.parameters()], grads)
     pipe.close()
+
+
+def test_a_device_thread_runs_its_work_under_the_callers_torch_config_settings() -> None:
+    # torch keeps a user's config settings per thread (per context): set in the caller, the
+    # device threads must see them too, or advice such as "set donated_buffer = False"
+    # would not reach the layers they run
+    import torch._functorch.config as functorch_config
+
+    threads = DeviceThreads()
+    seen: list[bool] = []
+    with functorch_config.patch(donated_buffer=False):
+        threads.submit(1, lambda: seen.append(functorch_config.donated_buffer)).wait()
+    threads.submit(1, lambda: seen.append(functorch_config.donated_buffer)).wait()
+    threads.close()
+    assert seen == [False, True]  # then torch's default again

@@ -17,11 +17,15 @@ and it follows the rule the runtime counts by (see ``gpipe.runtime.saved`` and t
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import chain
 
+import numpy as np
+
+from gpipe.analysis.columns import ActionColumns
 from gpipe.checkpoint import checkpointed
-from gpipe.schedule import BACKWARD, FORWARD, WEIGHT, Schedule
+from gpipe.schedule import BACKWARD, FORWARD, KINDS, Schedule
 
-__all__ = ["activation_peaks", "kept_microbatches", "memory_per_action"]
+__all__ = ["activation_peaks", "kept_microbatches", "memory_columns", "memory_per_action"]
 
 Sizes = Sequence[float]
 
@@ -49,41 +53,73 @@ def memory_per_action(
 
     Returns:
         ``memory[d][j]`` for action ``schedule.actions[d][j]``.
+
+    Raises:
+        IndexError: an action on a stage the schedule does not have.
     """
-    stages = schedule.stages
+    columns = ActionColumns.of(schedule)
+    if len(columns.stage) and int(columns.stage.max()) >= schedule.stages:
+        raise IndexError("an action on a stage the schedule does not have")
+    memory = memory_columns(
+        columns, schedule, full, kept, checkpoint, gradient=gradient, deferred=deferred
+    ).tolist()
+    return [memory[a:b] for a, b in zip(columns.offsets, columns.offsets[1:])]
+
+
+def memory_columns(
+    columns: ActionColumns,
+    schedule: Schedule,
+    full: Sizes,
+    kept: Sizes,
+    checkpoint: str,
+    *,
+    gradient: Sizes | None = None,
+    deferred: Sizes | None = None,
+) -> np.ndarray:
+    """:func:`memory_per_action` of ``schedule``'s actions given as columns, in one array.
+
+    The walk's sums run in its order (a cumulative sum per device), so the figures are
+    those of walking the actions one by one, to the last bit. Whole numbers in, whole
+    numbers out (int64); otherwise float64.
+    """
+    stages, m = schedule.stages, schedule.microbatches
     grads = list(gradient) if gradient is not None else [0] * stages
     later = list(deferred) if deferred is not None else [0] * stages
-    split = schedule.split_backward
-    m = schedule.microbatches
-    memory: list[list[float]] = []
-    for actions in schedule.actions:
-        held: float = 0
-        row: list[float] = []
-        for action in actions:
-            s, i = action.stage, action.microbatch
-            again = checkpoint != "never" and checkpointed(checkpoint, i, m)
-            if action.kind == FORWARD:
-                held += kept[s] if again else full[s]
-                row.append(held)
-            elif action.kind == BACKWARD:
-                recomputed = full[s] - kept[s] if again else 0
-                received = grads[s + 1] if s + 1 < stages else 0
-                sent = grads[s]
-                keeps = later[s] if split else 0
-                # NOTE: a stage that sends no input gradient defers its whole backward to W,
-                # keeping the gradient it received: already counted in ``received``.
-                fresh = keeps if sent else max(0, keeps - received)
-                row.append(held + recomputed + received + sent + fresh)
-                if split:  # W frees the micro-batch: its input, activations and gradients
-                    held += recomputed + keeps
-                else:
-                    held -= kept[s] if again else full[s]
-            else:
-                row.append(held)
-                if action.kind == WEIGHT:
-                    held -= full[s] + later[s]
-        memory.append(row)
-    return memory
+    split = columns.split_backward
+    exact = all(type(v) is int for v in chain(full, kept, grads, later))
+    dtype = np.int64 if exact else np.float64
+    full_, kept_ = np.array(full, dtype), np.array(kept, dtype)
+    sent = np.array(grads, dtype)
+    received = np.append(sent[1:], np.zeros(1, dtype))  # the next stage's input gradient
+    keeps = np.array(later, dtype) if split else np.zeros(stages, dtype)
+    # NOTE: a stage that sends no input gradient defers its whole backward to W, keeping
+    # the gradient it received: already counted in ``received``.
+    fresh = np.where(sent != 0, keeps, np.maximum(0, keeps - received))
+    again = np.array(
+        [checkpoint != "never" and checkpointed(checkpoint, i, m) for i in range(m)], bool
+    )
+    s, i = columns.stage, columns.microbatch
+    forward, backward = columns.kind == KINDS.index(FORWARD), columns.kind == KINDS.index(BACKWARD)
+    allocated, recomputed = full_[s], np.zeros(1, dtype)
+    if again.any():
+        again_i = again[i]
+        allocated = np.where(again_i, kept_[s], allocated)
+        recomputed = np.where(again_i, full_[s] - kept_[s], 0)
+    # What each action changes: F allocates; B frees (keeps what W needs, when split); W
+    # frees the micro-batch, its input, activations and gradients.
+    if split:
+        freed = np.where(backward, recomputed + keeps[s], -(full_[s] + keeps[s]))
+    else:
+        freed = np.where(backward, -allocated, -(full_[s] + keeps[s]))
+    delta = np.where(forward, allocated, freed)
+    held = np.empty_like(delta)  # after each action
+    for a, b in zip(columns.offsets, columns.offsets[1:]):
+        np.cumsum(delta[a:b], out=held[a:b])
+    before = np.empty_like(held)
+    before[1:] = held[:-1]
+    before[[a for a, b in zip(columns.offsets, columns.offsets[1:]) if b > a]] = 0  # empty
+    during = before + recomputed + received[s] + sent[s] + fresh[s]
+    return np.where(forward, held, np.where(backward, during, before))
 
 
 def activation_peaks(

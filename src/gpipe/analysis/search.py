@@ -18,10 +18,12 @@ the one that holds less.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+import functools
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from gpipe.analysis.simulator import Costs, simulate
+from gpipe.analysis.timeline import Timeline
 from gpipe.schedule import (
     SCHEDULES,
     Schedule,
@@ -107,10 +109,11 @@ def search(
     count = stages * virtual_stages
     activation = _per(costs.activation_bytes, count, "Costs.activation_bytes")
     named = _named(stages, microbatches, virtual_stages)
+    # 1F1B's memory is the default limit (zb-v holds as much with two stages per device);
+    # they are the first candidates, so their timeline serves twice.
+    first = simulate(named[0], costs)
     if memory_limit is None:
-        # 1F1B's memory: zb-v holds as much with two stages per device.
-        reference = named[0] if virtual_stages == 2 else one_f_one_b(stages, microbatches)
-        limits = [max(simulate(reference, costs).peak_memory)] * stages
+        limits = [max(first.peak_memory)] * stages
     else:
         limits = _per(memory_limit, stages, "memory_limit")
     if any(not limit > 0 for limit in limits):
@@ -118,17 +121,31 @@ def search(
 
     best: tuple[tuple[float, float, float], Schedule] | None = None
     smallest: tuple[float, str] | None = None
-    for schedule in [*named, *_built(stages, microbatches, virtual_stages, costs, limits)]:
-        timeline = simulate(schedule, costs)
+
+    def judge(schedule: Schedule, timeline: Timeline) -> None:
+        nonlocal best, smallest
         peaks = timeline.peak_memory
         need = max(peak - limit for peak, limit in zip(peaks, limits))
         if need > 1e-9:
             if smallest is None or max(peaks) < smallest[0]:
                 smallest = (max(peaks), schedule.name)
-            continue
+            return
         key = (timeline.makespan, max(timeline.spans), max(peaks))
         if best is None or key < best[0]:
             best = (key, schedule)
+
+    for index, schedule in enumerate(named):
+        judge(schedule, first if index == 0 else simulate(schedule, costs))
+    # NOTE: the greedy builder times each schedule as it builds it, never slower than
+    # simulate does (the same costs, and transfers no dearer), so it stops a candidate as
+    # soon as a device cannot finish by the best step so far: it could never win. Most
+    # candidates stop within the first tenth of their actions.
+    hopeless = _hopeless(costs)
+    for build in _builders(stages, microbatches, virtual_stages, costs, limits):
+        deadline = None if best is None or hopeless else best[0][0]
+        built = build(deadline=deadline)
+        if built is not None:
+            judge(built, simulate(built, costs))
     if best is None:
         assert smallest is not None
         least = min(activation) if virtual_stages == 1 else 2 * min(activation)
@@ -138,6 +155,14 @@ def search(
             "a backward at all. Raise memory_limit, or checkpoint to shrink activations"
         )
     return dataclasses.replace(best[1], name="auto")
+
+
+def _hopeless(costs: Costs) -> bool:
+    """Whether a negative cost voids the builder's deadline (a device's clock plus its
+    work left is the soonest it can finish only when no work takes negative time)."""
+    times = [costs.forward, costs.backward, costs.weight]
+    values = [v for t in times for v in ([t] if isinstance(t, int | float) else list(t))]
+    return min([*values, costs.transfer, costs.latency]) < 0
 
 
 def _named(stages: int, microbatches: int, virtual_stages: int) -> list[Schedule]:
@@ -155,10 +180,11 @@ def _named(stages: int, microbatches: int, virtual_stages: int) -> list[Schedule
     ]
 
 
-def _built(
+def _builders(
     stages: int, microbatches: int, virtual_stages: int, costs: Costs, limits: list[float]
-) -> list[Schedule]:
-    """The greedy builder's schedules over the sweep of its rules."""
+) -> Iterator[Callable[..., Schedule | None]]:
+    """The greedy builder over the sweep of its rules, one call per candidate, each given
+    the deadline it must meet (None: no deadline)."""
     count = stages * virtual_stages
     forward = _per(costs.forward, count, "Costs.forward")
     backward = _per(costs.backward, count, "Costs.backward")
@@ -177,11 +203,11 @@ def _built(
     if virtual_stages == 2:
         placement = v_shape(stages)
         leads = [*sorted({max(1, stages // 2), max(1, stages - 1), stages, stages + 1, 2 * stages})]
-    built = []
     for cap in caps:
         for order in _ORDERS:
             for lead in leads:
-                schedule = greedy(
+                yield functools.partial(
+                    greedy,
                     "greedy",
                     placement,
                     microbatches,
@@ -194,9 +220,6 @@ def _built(
                     transfer=costs.transfer,
                     activation=activation,
                 )
-                if schedule is not None:
-                    built.append(schedule)
-    return built
 
 
 search.virtual = True  # type: ignore[attr-defined]

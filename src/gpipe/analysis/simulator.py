@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
-import gc
 import math
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from gpipe.analysis.memory import memory_per_action
-from gpipe.analysis.timeline import Event, Timeline, Transfer
-from gpipe.schedule import BACKWARD, FORWARD, WEIGHT, Action, Schedule, ScheduleError, validate
+import numpy as np
+
+from gpipe.analysis.columns import ActionColumns, SimulatedColumns, TransferColumns
+from gpipe.analysis.memory import memory_columns
+from gpipe.analysis.timeline import Timeline
+from gpipe.schedule import BACKWARD, FORWARD, KINDS, WEIGHT, Schedule, ScheduleError, validate
 
 __all__ = ["Costs", "costs_from_timeline", "simulate", "skips_from_timeline"]
 
@@ -94,7 +96,12 @@ def simulate(
     long skip): each of ``skips`` is one more message per micro-batch, from the sending
     stage's forward to the reading stage's, and its gradient from the reader's backward to
     the sender's, costing ``transfer + latency + bytes / bandwidth`` between devices. The
-    timeline lists them among its transfers, each as its own message.
+    timeline lists them among its transfers, each as its own message. Transfers are listed
+    device by device, in the order the receiving actions run.
+
+    The timeline is held as columns (:mod:`gpipe.analysis.columns`): its events and
+    transfers are made when first read, so a search that compares makespans, spans and
+    peaks never makes them.
 
     Args:
         schedule: the schedule; it must be valid.
@@ -120,16 +127,7 @@ def simulate(
                 f"skip ({sender}, {reader}) is not a message from an earlier stage to a later "
                 f"one of the schedule's {schedule.stages} stages"
             )
-    # NOTE: a long schedule makes hundreds of thousands of events, none in a reference
-    # cycle; left on, the cyclic garbage collector rescans them all, again and again, and
-    # takes as long as the simulation itself.
-    collecting = gc.isenabled()
-    gc.disable()
-    try:
-        return _simulate(schedule, costs, skips)
-    finally:
-        if collecting:
-            gc.enable()
+    return _simulate(schedule, costs, skips)
 
 
 def _simulate(schedule: Schedule, costs: Costs, skips: Sequence[Skip]) -> Timeline:
@@ -140,13 +138,14 @@ def _simulate(schedule: Schedule, costs: Costs, skips: Sequence[Skip]) -> Timeli
     held_bytes = _per_stage(costs.activation_bytes, stages, "activation_bytes")
     gradient_bytes = _per_stage(costs.gradient_bytes, stages, "gradient_bytes")
     deferred_bytes = _per_stage(costs.deferred_bytes, stages, "deferred_bytes")
-    split = schedule.split_backward
+    columns = ActionColumns.of(schedule)
+    kind, stage, mb = columns.kind, columns.stage, columns.microbatch
+    split = columns.split_backward
     if not split:
         backward = [b + w for b, w in zip(backward, weight)]
     placement = schedule.placement
     # sizes[s]: a message between stage s and s + 1 (s + 1's input forward, its gradient
-    # back); edge[s]: what one costs if the two sit on different devices; from_previous /
-    # from_next: the extra wait for one to arrive.
+    # back); edge[s]: what one costs if the two sit on different devices.
     sizes = [gradient_bytes[s + 1] if s + 1 < stages else 0.0 for s in range(stages)]
     edge = [
         costs.transfer + costs.latency + sizes[s] / costs.bandwidth
@@ -154,184 +153,209 @@ def _simulate(schedule: Schedule, costs: Costs, skips: Sequence[Skip]) -> Timeli
         else 0.0
         for s in range(stages)
     ]
-    from_previous = [edge[s - 1] if s else 0.0 for s in range(stages)]
-    from_next = edge
-    # Per stage, the skips its forward waits for and those its backward waits for:
-    # (the other stage, the extra wait, bytes).
-    skips_in: list[list[tuple[int, float, float]]] = [[] for _ in range(stages)]
-    skips_back: list[list[tuple[int, float, float]]] = [[] for _ in range(stages)]
-    for sender, reader, nbytes in skips:
-        cost = 0.0
-        if placement[sender] != placement[reader]:
-            cost = costs.transfer + costs.latency + nbytes / costs.bandwidth
-        skips_in[reader].append((sender, cost, nbytes))
-        skips_back[sender].append((reader, cost, nbytes))
-    skipping = bool(skips)
-    transfers: list[Transfer] = []
-    record = any(edge) or any(cost for waits in skips_in for _, cost, _ in waits)
-
-    # NOTE: this loop is the simulator's whole cost (K=128, M=1024 is 262k actions), so it
-    # keeps finish times in one flat list of floats, keyed by int, with -1.0 for "not yet":
-    # key = kind offset + stage * M + micro-batch.
-    size = stages * microbatches
-    offset = {FORWARD: 0, BACKWARD: size, WEIGHT: 2 * size}
-    ends = [-1.0] * (3 * size)
-    devices = schedule.devices
-    try:
-        memory = memory_per_action(
-            schedule,
-            held_bytes,
-            held_bytes,
-            "never",
-            gradient=gradient_bytes,
-            deferred=deferred_bytes,
-        )
-    except IndexError:  # an action on a stage the schedule does not have
-        raise _invalid(schedule) from None
-    events: list[list[Event]] = [[] for _ in range(devices)]
-    position = [0] * devices
-    free_at = [0.0] * devices
-    # A device blocks on one missing result at a time; waiting maps that result's key to
-    # the device, so finishing it wakes exactly the device that needs it.
-    waiting: dict[int, int] = {}
-    ready = list(range(devices))
-    while ready:
-        device = ready.pop()
-        actions = schedule.actions[device]
-        out = events[device]
-        held = memory[device]
-        at, clock = position[device], free_at[device]
-        while at < len(actions):
-            action = actions[at]
-            kind, stage, i = action.kind, action.stage, action.microbatch
-            if stage >= stages or i >= microbatches or placement[stage] != device:
-                raise _invalid(schedule)
-            index = stage * microbatches + i
-            # What the action waits for: (finish-time key, extra wait for a transfer).
-            deps: tuple[tuple[int, float], ...]
-            if kind == FORWARD:
-                deps = ((index - microbatches, from_previous[stage]),) if stage else ()
-                duration = forward[stage]
-            elif kind == BACKWARD:
-                deps = ((index, 0.0),)
-                if stage + 1 < stages:
-                    deps += ((size + index + microbatches, from_next[stage]),)
-                duration = backward[stage]
-            else:
-                deps = ((size + index, 0.0),)
-                duration = weight[stage]
-            if skipping:  # NOTE: one test per action when there are none: the hot loop
-                skipped = _skip_waits(kind, stage, i, microbatches, skips_in, skips_back)
-                deps += tuple((key, cost) for key, cost, _ in skipped)
-            start, blocked = clock, False
-            for dep, extra in deps:
-                end = ends[dep]
-                if end < 0:  # not run yet: wait for it, wake when it finishes
-                    waiting[dep] = device
-                    blocked = True
-                    break
-                if end + extra > start:
-                    start = end + extra
-            if blocked:
-                break
-            if record:
-                chain = deps[: len(deps) - len(skipped)] if skipping else deps
-                _record_transfers(transfers, action, device, chain, ends, placement, sizes)
-                if skipping:
-                    _record_skips(transfers, action, device, skipped, ends, placement, microbatches)
-            key = offset[kind] + index
-            if ends[key] >= 0:
-                raise _invalid(schedule)
-            clock = start + duration
-            ends[key] = clock
-            out.append(Event(action, start, clock, held[at]))
-            at += 1
-            woken = waiting.pop(key, None)
-            if woken is not None:
-                ready.append(woken)
-        position[device], free_at[device] = at, clock
+    count, size = len(kind), stages * microbatches
     expected = 3 * size if split else 2 * size
-    if sum(position) != len(schedule) or sum(len(e) for e in events) != expected:
+    if count != expected or (
+        count and (int(stage.max()) >= stages or int(mb.max()) >= microbatches)
+    ):
         raise _invalid(schedule)
-    return Timeline(events, unit="cost", schedule=schedule.name, transfers=transfers)
+    place = np.array(placement, np.int64)
+    key = kind * size + stage * microbatches + mb  # F, B, W of (stage, micro-batch)
+    if (place[stage] != columns.device).any() or (np.bincount(key, minlength=3 * size) > 1).any():
+        raise _invalid(schedule)
+    waits = _waits(kind, stage, mb, stages, microbatches, edge, skips, placement, costs)
+    duration = np.array([forward, backward, weight], np.float64)[kind, stage]
+    times = _run(columns, key, waits, duration)
+    if times is None:
+        raise _invalid(schedule)
+    start, end, finished = times
+    memory = memory_columns(
+        columns,
+        schedule,
+        held_bytes,
+        held_bytes,
+        "never",
+        gradient=gradient_bytes,
+        deferred=deferred_bytes,
+    )
+    messages = _messages(columns, waits, finished, placement, sizes)
+    simulated = SimulatedColumns(schedule.actions, columns.offsets, start, end, memory, messages)
+    return Timeline.from_columns(simulated, "cost", schedule.name)
 
 
-def _record_transfers(
-    transfers: list[Transfer],
-    action: Action,
-    device: int,
-    deps: tuple[tuple[int, float], ...],
-    ends: list[float],
+@dataclass(frozen=True)
+class _Waits:
+    """Per action, what it waits for, one array per column: ``key[j]`` the finish-time key
+    of its j-th prerequisite (``none``: nothing) and ``extra[j]`` the transfer time on top
+    (None: always 0). Column 0 is the input (F) or the gradient from the next stage (B),
+    column 1 a backward's own forward or a W's backward, then one per skip, whose sending
+    stage and bytes are ``sender[j]`` and ``nbytes[j]``."""
+
+    key: list[np.ndarray]
+    extra: list[np.ndarray | None]
+    sender: dict[int, np.ndarray]
+    nbytes: dict[int, np.ndarray]
+    none: int
+
+
+def _waits(
+    kind: np.ndarray,
+    stage: np.ndarray,
+    mb: np.ndarray,
+    stages: int,
+    microbatches: int,
+    edge: list[float],
+    skips: Sequence[Skip],
+    placement: tuple[int, ...],
+    costs: Costs,
+) -> _Waits:
+    size = stages * microbatches
+    none = 3 * size
+    is_f, is_b = kind == KINDS.index(FORWARD), kind == KINDS.index(BACKWARD)
+    index = stage * microbatches + mb
+    edges = np.array([*edge, 0.0])  # edges[-1]: before stage 0, nothing
+    # F(s, i) waits for F(s-1, i); B(s, i) for B(s+1, i) and F(s, i); W(s, i) for B(s, i).
+    valid = np.where(is_f, stage > 0, is_b & (stage + 1 < stages))
+    key = [
+        np.where(valid, np.where(is_f, index - microbatches, size + index + microbatches), none),
+        np.where(is_f, none, np.where(is_b, index, size + index)),
+    ]
+    extra: list[np.ndarray | None] = [
+        np.where(valid, edges[np.where(is_f, stage - 1, stage)], 0.0),
+        None,
+    ]
+    # A skip: the reader's F waits for the sender's F, the sender's B for the reader's B;
+    # each stage's skips fill columns 2, 3, ... in the order given.
+    sender: dict[int, np.ndarray] = {}
+    nbytes: dict[int, np.ndarray] = {}
+    filled = {FORWARD: [2] * stages, BACKWARD: [2] * stages}
+    for sending, reading, count_bytes in skips:
+        cost = 0.0
+        if placement[sending] != placement[reading]:
+            cost = costs.transfer + costs.latency + count_bytes / costs.bandwidth
+        for rows, mine, other, offset, which in (
+            (is_f, reading, sending, 0, FORWARD),
+            (is_b, sending, reading, size, BACKWARD),
+        ):
+            column = filled[which][mine]
+            filled[which][mine] += 1
+            if column == len(key):
+                key.append(np.full(len(kind), none))
+                extra.append(np.zeros(len(kind)))
+                sender[column] = np.zeros(len(kind), np.int64)
+                nbytes[column] = np.zeros(len(kind))
+            at = rows & (stage == mine)
+            key[column][at] = offset + other * microbatches + mb[at]
+            more = extra[column]
+            assert more is not None
+            more[at], sender[column][at], nbytes[column][at] = cost, other, count_bytes
+    return _Waits(key, extra, sender, nbytes, none)
+
+
+def _messages(
+    columns: ActionColumns,
+    waits: _Waits,
+    finished: np.ndarray,
     placement: tuple[int, ...],
     sizes: list[float],
-) -> None:
-    """The messages ``action`` waited for: its input's or its gradient's, if remote."""
-    stage = action.stage
-    for dep, extra in deps:
-        if not extra:
+) -> TransferColumns:
+    """The messages the actions waited for, one per prerequisite on another device (a
+    nonzero transfer time), in action order, a neighbour's before the skips'."""
+    rows, senders, nbytes, sent, arrived = [], [], [], [], []
+    for column, (key, extra) in enumerate(zip(waits.key, waits.extra)):
+        if extra is None:
             continue
-        source = stage - 1 if action.kind == FORWARD else stage + 1
-        sent = ends[dep]
-        transfers.append(
-            Transfer(
-                action.kind,
-                stage,
-                action.microbatch,
-                placement[source],
-                device,
-                sent,
-                sent + extra,
-                int(sizes[min(stage, source)]),
-                source,
-            )
-        )
+        row = np.flatnonzero(extra != 0)
+        stage = columns.stage[row]
+        if column == 0:
+            sender = stage + np.where(columns.kind[row] == KINDS.index(FORWARD), -1, 1)
+            carried = np.array(sizes)[np.minimum(stage, sender)]
+        else:
+            sender, carried = waits.sender[column][row], waits.nbytes[column][row]
+        rows.append(row)
+        senders.append(sender)
+        nbytes.append(carried)
+        sent.append(finished[key[row]])
+        arrived.append(sent[-1] + extra[row])
+
+    def merged(parts: list[np.ndarray]) -> np.ndarray:
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)[order]
+
+    order = np.argsort(np.concatenate(rows), kind="stable") if len(rows) > 1 else None
+    row, sender = merged(rows), merged(senders)
+    return TransferColumns(
+        kind=columns.kind[row],
+        stage=columns.stage[row],
+        microbatch=columns.microbatch[row],
+        source=np.array(placement, np.int64)[sender],
+        target=columns.device[row],
+        start=merged(sent),
+        end=merged(arrived),
+        nbytes=merged(nbytes).astype(np.int64),
+        sender=sender,
+    )
 
 
-def _skip_waits(
-    kind: str,
-    stage: int,
-    microbatch: int,
-    microbatches: int,
-    skips_in: list[list[tuple[int, float, float]]],
-    skips_back: list[list[tuple[int, float, float]]],
-) -> list[tuple[int, float, float]]:
-    """The skips an action waits for: (finish-time key, extra wait, bytes)."""
-    size = len(skips_in) * microbatches
-    if kind == FORWARD:
-        return [(s * microbatches + microbatch, c, b) for s, c, b in skips_in[stage]]
-    if kind == BACKWARD:
-        return [(size + r * microbatches + microbatch, c, b) for r, c, b in skips_back[stage]]
-    return []
+def _run(
+    columns: ActionColumns, key: np.ndarray, waits: _Waits, duration: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """Start and end of every action, and when each key (F, B or W of a stage and
+    micro-batch) finished: each device runs its list in order; an action starts when the
+    device's previous action and everything it waits for have finished, plus transfers.
 
-
-def _record_skips(
-    transfers: list[Transfer],
-    action: Action,
-    device: int,
-    skipped: list[tuple[int, float, float]],
-    ends: list[float],
-    placement: tuple[int, ...],
-    microbatches: int,
-) -> None:
-    """The skip messages ``action`` waited for, each its own transfer, if remote."""
-    for key, extra, nbytes in skipped:
-        if not extra:
-            continue
-        sender = (key % (len(placement) * microbatches)) // microbatches
-        sent = ends[key]
-        transfers.append(
-            Transfer(
-                action.kind,
-                action.stage,
-                action.microbatch,
-                placement[sender],
-                device,
-                sent,
-                sent + extra,
-                int(nbytes),
-                sender,
-            )
-        )
+    Round by round, every device whose next action can start runs it: a round is a dozen
+    array operations over the devices, and the rounds number the longest chain of actions
+    (about 2M + 2K for 1F1B), not the actions. None where the devices get stuck.
+    """
+    count, devices = len(key), len(columns.offsets) - 1
+    # Slots, per device: a start (finished at 0.0), its actions in order, a stop it never
+    # passes (nan: not finished); after them all, a free slot (-inf: nothing to wait for).
+    slot = np.arange(count) + 2 * columns.device + 1
+    slots = count + 2 * devices
+    free = slots
+    starts = np.array(columns.offsets[:-1], np.int64) + 2 * np.arange(devices)
+    stops = np.array(columns.offsets[1:], np.int64) + 2 * np.arange(devices) + 1
+    by_key = np.full(waits.none + 1, free, np.int64)
+    by_key[key] = slot
+    # Column 0 (the input, or the next stage's gradient) and the skips carry a transfer
+    # time; column 1 (a backward's own forward, a W's backward) none.
+    deps: list[np.ndarray] = []
+    extra: list[np.ndarray | None] = []
+    for key_j, extra_j in zip(waits.key, waits.extra):
+        dep = np.full(slots, free, np.int64)
+        dep[slot] = by_key[key_j]
+        dep[stops] = stops  # a stop waits for itself: never
+        deps.append(dep)
+        more = None
+        if extra_j is not None:
+            more = np.zeros(slots)
+            more[slot] = extra_j
+        extra.append(more)
+    lasting = np.zeros(slots)
+    lasting[slot] = duration
+    end = np.full(slots + 1, np.nan)  # nan: not run yet
+    end[starts], end[free] = 0.0, -np.inf
+    start = np.empty(slots)
+    cursor, left = starts + 1, count
+    while left:
+        arrived = end[cursor - 1]  # the device's previous action (or its start)
+        for dep, more in zip(deps, extra):
+            if more is None:
+                np.maximum(arrived, end[dep[cursor]], out=arrived)
+            else:
+                np.maximum(arrived, end[dep[cursor]] + more[cursor], out=arrived)
+        ready = arrived == arrived  # nan while waiting
+        runs = np.count_nonzero(ready)
+        if not runs:
+            return None
+        at = cursor
+        if runs < devices:
+            at, arrived = cursor[ready], arrived[ready]
+        start[at] = arrived
+        end[at] = arrived + lasting[at]
+        cursor = cursor + ready
+        left -= runs
+    return start[slot], end[slot], end[by_key]
 
 
 def _invalid(schedule: Schedule) -> ScheduleError:

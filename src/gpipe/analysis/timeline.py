@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from gpipe.schedule import Action
 
 if TYPE_CHECKING:
     from gpipe.analysis.critical import CriticalPath
 
-__all__ = ["Event", "Timeline", "Transfer"]
+__all__ = ["Columns", "Event", "Timeline", "Transfer"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,7 +73,23 @@ class Transfer:
     sender: int | None = None
 
 
-@dataclass
+class Columns(Protocol):
+    """A timeline held as columns (the simulator's): its events and transfers are made only
+    when someone reads them, and the figures a search compares come from the columns."""
+
+    def events(self) -> list[list[Event]]: ...
+
+    def transfers(self) -> list[Transfer]: ...
+
+    def bounds(self) -> list[tuple[float, float] | None]:
+        """Per device, its first action's start and its last action's end (None: idle)."""
+        ...
+
+    def busy(self) -> list[float]: ...
+
+    def peak_memory(self) -> list[float]: ...
+
+
 class Timeline:
     """Per device, the events of one training step in start order.
 
@@ -88,48 +104,120 @@ class Timeline:
             then show ranks, and the Perfetto trace a process track per rank.
     """
 
-    events: list[list[Event]]
-    unit: str = "s"
-    schedule: str = ""
-    transfers: list[Transfer] = field(default_factory=list)
-    processes: bool = False
+    # NOTE: a plain class, not a dataclass: a simulated timeline of 262k actions is held as
+    # columns, and its Event and Transfer objects cost more than the simulation, so they
+    # are made when ``events`` or ``transfers`` is first read (never, in a search).
+    __hash__ = None  # type: ignore[assignment]
+
+    def __init__(
+        self,
+        events: list[list[Event]],
+        unit: str = "s",
+        schedule: str = "",
+        transfers: list[Transfer] | None = None,
+        processes: bool = False,
+    ) -> None:
+        self._events: list[list[Event]] | None = events
+        self._transfers: list[Transfer] | None = [] if transfers is None else transfers
+        self._columns: Columns | None = None
+        self.unit = unit
+        self.schedule = schedule
+        self.processes = processes
+
+    @classmethod
+    def from_columns(cls, columns: Columns, unit: str = "cost", schedule: str = "") -> Timeline:
+        """A timeline whose events and transfers ``columns`` makes when they are read."""
+        timeline = cls([], unit, schedule)
+        timeline._events = timeline._transfers = None
+        timeline._columns = columns
+        return timeline
+
+    @property
+    def events(self) -> list[list[Event]]:
+        """``events[d]``: device ``d``'s events, in start order."""
+        if self._events is None:
+            assert self._columns is not None
+            self._events = self._columns.events()
+        return self._events
+
+    @events.setter
+    def events(self, events: list[list[Event]]) -> None:
+        self._events = events
+
+    @property
+    def transfers(self) -> list[Transfer]:
+        """Messages between devices, where they were recorded."""
+        if self._transfers is None:
+            assert self._columns is not None
+            self._transfers = self._columns.transfers()
+        return self._transfers
+
+    @transfers.setter
+    def transfers(self, transfers: list[Transfer]) -> None:
+        self._transfers = transfers
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Timeline):
+            return NotImplemented
+        return (self.unit, self.schedule, self.processes, self.events, self.transfers) == (
+            other.unit,
+            other.schedule,
+            other.processes,
+            other.events,
+            other.transfers,
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"Timeline(events={self.events!r}, unit={self.unit!r}, schedule={self.schedule!r}, "
+            f"transfers={self.transfers!r}, processes={self.processes!r})"
+        )
+
+    def _bounds(self) -> list[tuple[float, float] | None]:
+        if self._events is None:
+            assert self._columns is not None
+            return self._columns.bounds()
+        return [(device[0].start, device[-1].end) if device else None for device in self._events]
 
     @property
     def devices(self) -> int:
-        return len(self.events)
+        return len(self._bounds())
 
     @property
     def start(self) -> float:
         """When the first action started (each device's events are in start order)."""
-        return min((device[0].start for device in self.events if device), default=0.0)
+        return min((b[0] for b in self._bounds() if b is not None), default=0.0)
 
     @property
     def makespan(self) -> float:
         """Time from the first action's start to the last action's end."""
         # NOTE: a device runs one action at a time, so its last event ends last; this runs
         # once per chart row, and a K=128, M=1024 timeline has 262k events.
-        ends = [device[-1].end for device in self.events if device]
+        ends = [b[1] for b in self._bounds() if b is not None]
         return max(ends, default=0.0) - self.start
 
     @property
     def busy(self) -> list[float]:
         """Per device, the total time spent in actions."""
+        if self._events is None:
+            assert self._columns is not None
+            return self._columns.busy()
         # NOTE: end - start inline, not the duration property: a call per event is half the
         # time of a chart's header at K=128, M=1024.
-        return [sum(e.end - e.start for e in device) for device in self.events]
+        return [sum(e.end - e.start for e in device) for device in self._events]
 
     @property
     def bubble(self) -> float:
         """The idle fraction: ``1 - busy / (K × makespan)``."""
         span = self.makespan
-        if span <= 0 or not self.events:
+        if span <= 0 or not self.devices:
             return 0.0
         return 1.0 - sum(self.busy) / (self.devices * span)
 
     @property
     def spans(self) -> list[float]:
         """Per device, the time from its first action's start to its last action's end."""
-        return [device[-1].end - device[0].start if device else 0.0 for device in self.events]
+        return [b[1] - b[0] if b is not None else 0.0 for b in self._bounds()]
 
     @property
     def steady_bubble(self) -> float:
@@ -150,7 +238,10 @@ class Timeline:
     @property
     def peak_memory(self) -> list[float]:
         """Per device, the most bytes held for backward at any moment."""
-        return [max((e.memory for e in device), default=0) for device in self.events]
+        if self._events is None:
+            assert self._columns is not None
+            return self._columns.peak_memory()
+        return [max((e.memory for e in device), default=0) for device in self._events]
 
     def durations(self, kind: str) -> list[list[float]]:
         """Per device, the durations of its actions of ``kind`` ("F", "B" or "W")."""

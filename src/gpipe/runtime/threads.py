@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextvars
 import queue
 import threading
 import weakref
@@ -16,15 +17,20 @@ class Job:
 
     def __init__(self, work: Callable[[], None]) -> None:
         self._work: Callable[[], None] | None = work
+        # NOTE: the work runs in the submitting thread's context: torch keeps a user's
+        # config settings (torch._functorch.config.donated_buffer = False) per context, so
+        # a device thread of its own would compile and run the layers without them.
+        self._context: contextvars.Context | None = contextvars.copy_context()
         self._done = threading.Lock()
         self._done.acquire()
 
     def run(self) -> None:
         try:
-            assert self._work is not None
-            self._work()
+            assert self._work is not None and self._context is not None
+            self._context.run(self._work)
         finally:
-            self._work = None  # NOTE: drop the step (and what it saved) as soon as it is over
+            # NOTE: drop the step (and what it saved) as soon as it is over
+            self._work = self._context = None
             self._done.release()
 
     def wait(self) -> None:

@@ -18,6 +18,7 @@ device, so what one device sends is what its neighbour takes next.
 from __future__ import annotations
 
 import heapq
+import math
 from collections import deque
 from collections.abc import Sequence
 
@@ -51,6 +52,7 @@ def greedy(
     weight: PerStage = 1.0,
     transfer: float = 0.0,
     activation: PerStage = 1.0,
+    deadline: float | None = None,
 ) -> Schedule | None:
     """Build a schedule with split backward (F, B, W) by greedy list scheduling.
 
@@ -76,10 +78,13 @@ def greedy(
         weight: W time per stage.
         transfer: extra wait for a result made on another device.
         activation: what one micro-batch's F holds on each stage, until its W.
+        deadline: give up as soon as some device cannot finish by then (its clock plus
+            the work it has left is later, by more than rounding), timed as it builds:
+            a search need not finish a schedule that cannot beat one it has.
 
     Returns:
         The schedule, or None when the devices get stuck (``limit`` too small to hold what
-        a backward needs).
+        a backward needs) or it cannot finish by ``deadline``.
 
     Raises:
         ValueError: a device holding more than two stages, two stages without ``lead``, a
@@ -161,6 +166,12 @@ def greedy(
         if found is not None:
             heapq.heappush(ranked, (found, d, 0))
     remaining = 3 * stages * m
+    # The work each device has left; with nothing negative, its clock plus this is the
+    # soonest it can finish.
+    left = [0.0] * devices
+    for s in range(stages):
+        left[placement[s]] += m * (f[s] + b[s] + w[s])
+    latest = math.inf if deadline is None else deadline + 1e-9 * abs(deadline) + 1e-12
     while remaining:
         while ranked and ranked[0][2] != version[ranked[0][1]]:
             heapq.heappop(ranked)
@@ -170,25 +181,31 @@ def greedy(
         if kind == FORWARD:
             i = next_f[s]
             next_f[s] += 1
-            end = start + f[s]
+            took = f[s]
+            end = start + took
             f_end[s * m + i] = end
             held[device] += act[s]
             touched = [device] + ([placement[s + 1]] if s + 1 < stages else [])
         elif kind == BACKWARD:
             i = next_b[s]
             next_b[s] += 1
-            end = start + b[s]
+            took = b[s]
+            end = start + took
             b_end[s * m + i] = end
             weights[device].append(s * m + i)
             touched = [device] + ([placement[s - 1]] if s > 0 else [])
         else:
             i = weights[device].popleft() % m
-            end = start + w[s]
+            took = w[s]
+            end = start + took
             held[device] -= act[s]
             touched = [device]
         lists[device].append(Action(kind, s, i))
         free[device] = end
         remaining -= 1
+        left[device] -= took
+        if end + left[device] > latest:
+            return None
         for d in set(touched):
             version[d] += 1
             found = best(d)
