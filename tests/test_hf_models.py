@@ -10,6 +10,7 @@ import torch
 
 import gpipe
 from hf_models import NAMES, build, case, loss
+from ranks import check, launch
 
 pytest.importorskip("transformers")
 
@@ -61,3 +62,50 @@ def test_a_condition_on_the_batch_size_fails_loudly_for_another_batch_size() -> 
     ids, _ = case("gpt2").inputs(batch=1)
     with pytest.raises(AssertionError, match="example inputs shaped like these"):
         stages(ids)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_a_model_built_on_meta_and_initialized_by_its_own_init_weights_trains_as_built_normally(
+    name: str,
+) -> None:
+    results = check(
+        launch(
+            "hf_scenarios:trains_like_plain",
+            2,
+            timeout=200,
+            name=name,
+            schedules=["1f1b"],
+            meta=True,
+        )
+    )
+    trained = [set(r["1f1b"]["trained"]) for r in results]
+    assert trained[0] and trained[1]
+    for result in results:
+        assert result["1f1b"]["loss"] < 1e-12 and result["1f1b"]["grad"] < 1e-12, result
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    "name",
+    ["gpt2", "t5"]
+    + [pytest.param(n, marks=pytest.mark.slow) for n in ["llama", "bert", "mixtral"]],
+)
+def test_two_processes_train_a_hugging_face_model_as_plain_pytorch_does(name: str) -> None:
+    schedules = ["gpipe", "1f1b"]
+    results = check(
+        launch(
+            "hf_scenarios:trains_like_plain",
+            2,
+            timeout=250,
+            name=name,
+            schedules=schedules,
+            meta=False,
+        )
+    )
+    for schedule in schedules:
+        trained = [set(r[schedule]["trained"]) for r in results]
+        # each rank trains its own half; only a tied embedding is held by both
+        assert trained[0] and trained[1] and len(trained[0] & trained[1]) <= 1
+        for result in results:
+            assert result[schedule]["loss"] < 1e-12 and result[schedule]["grad"] < 1e-12, result
