@@ -12,12 +12,13 @@ from torch import fx, nn
 from torch.fx.immutable_collections import immutable_dict, immutable_list
 
 from gpipe.dataflow import INPUT, Dataflow
+from gpipe.randomness import LayerKey
 from gpipe.split.cuts import Cuts
 from gpipe.split.trace import Traced
 
 __all__ = ["SplitStage", "build_stages"]
 
-LayerScope = Callable[[int], AbstractContextManager[Any]]
+LayerScope = Callable[[LayerKey], AbstractContextManager[Any]]
 
 
 class SplitStage(nn.Module):
@@ -36,17 +37,18 @@ class SplitStage(nn.Module):
     freeing), :meth:`write_through` puts the new ones back into the user's module, so the
     tensor a stage trains is always the one the user's model holds.
 
-    Like :class:`gpipe.partition.Partition`, ``positions`` lists the model units (see
-    :mod:`gpipe.split.cuts`) whose code runs here, and the runtime may set ``layer_scope``:
-    then every unit's nodes run inside ``layer_scope(position)``, so each unit draws from its
-    own random stream wherever the cuts put it.
+    Like :class:`gpipe.partition.Partition`, ``positions`` lists the random streams of the
+    code that runs here (see ``Cuts.stream_of``: each run of a submodule's code has its
+    own), and the runtime may set ``layer_scope``: then each run's nodes run inside
+    ``layer_scope(stream)``, so each call draws from its own random stream wherever the
+    cuts put it, and one dropout module called at two places draws two masks.
     """
 
     def __init__(
         self,
         root: nn.Module,
         graph: fx.Graph,
-        positions: dict[str, int],
+        positions: dict[str, LayerKey],
         name: str,
     ):
         super().__init__()
@@ -62,7 +64,7 @@ class SplitStage(nn.Module):
             self._buffers[key] = buffer
         self.graph = code.graph
         self._code = type(code).forward
-        self._position_of = positions  # node name -> unit position
+        self._position_of = positions  # node name -> its random stream
         self.positions = sorted(set(positions.values()), key=list(positions.values()).index)
         self.layer_scope: LayerScope | None = None
         # (stand-in, the user's module it stands for): bare modules torch.fx made on the
@@ -153,7 +155,7 @@ class _Scoped(fx.Interpreter):
         super().__init__(stage, graph=stage.graph)
         self._stage = stage
         self._scope = scope
-        self._entered: int | None = None
+        self._entered: LayerKey | None = None
         self._exits = ExitStack()
 
     def run(self, *args: Any, **kwargs: Any) -> Any:
@@ -221,7 +223,7 @@ def build_stages(root: nn.Module, traced: Traced, cuts: Cuts) -> tuple[list[Spli
         body, copies = _stage_graph(
             traced, takes[stage], mine, gives, output if stage == last else None
         )
-        positions = {copies[n].name: cuts.position_of[n] for n in mine}
+        positions = {copies[n].name: cuts.stream_of[n] for n in mine}
         modules.append(SplitStage(root, body, positions, f"Stage{stage}"))
     spare = _tensor_ids(root).difference(*map(_tensor_ids, modules))
     for module in modules:
