@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import gpipe
+from ranks import check, launch
 
 WIDTH = 64
 
@@ -61,6 +62,32 @@ def test_two_calls_of_one_dropout_draw_independent_masks_as_in_plain_pytorch(poi
     piped = _dropped(_pipe(_model(identity=True), points)(_input()))
     assert 0.68 < plain < 0.82
     assert 0.68 < piped < 0.82, piped
+
+
+def two_ranks(schedule: str) -> dict[str, torch.Tensor]:
+    """On each of 2 ranks (see ranks.py): one call of ``drop`` per rank."""
+    import gpipe.distributed as gd
+
+    model = _model()
+    stages = gpipe.split(model, split_points=["second"], example_inputs=(_input(),))
+    pipe = gd.DistributedGPipe(stages, chunks=2, schedule=schedule, timeout=30)
+    torch.manual_seed(5)
+    pipe.train_step(_input(), torch.zeros(8, WIDTH, dtype=torch.float64), F.mse_loss)
+    grads = {n: p.grad for n, p in model.named_parameters() if not p.is_meta}
+    pipe.close()
+    return grads
+
+
+@pytest.mark.timeout(240)
+def test_two_ranks_draw_the_masks_of_a_twice_called_dropout_as_one_process_does() -> None:
+    expected = dict(
+        zip([n for n, _ in _model().named_parameters()], _gradients([], "gpipe", "never"))
+    )
+    results = check(launch("test_split_dropout:two_ranks", 2, schedule="1f1b"))
+    assert set(results[0]) == {"first.weight", "first.bias"}
+    for result in results:
+        for name, grad in result.items():
+            assert torch.equal(grad, expected[name]), name
 
 
 def _gradients(points: list[str], schedule: str, checkpoint: str) -> list[torch.Tensor]:
