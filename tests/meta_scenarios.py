@@ -165,3 +165,21 @@ def refuses_unwritten(how: str) -> Any:
         pipe.close()
     _, plain_loss = _plain()
     return {"error": "", "loss": _diff(loss, plain_loss)}
+
+
+def save_with_whole_model_optimizer() -> Any:
+    """An optimizer over the whole model, not pipe.parameters(): pipe.save names the fix."""
+    model = Net().double()
+    x, y = batch()
+    stages = gpipe.split(model, split_points=["blocks.2"], example_inputs=(x,))
+    pipe = gd.DistributedGPipe(stages, chunks=2, timeout=30)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    pipe.train_step(x, y, nn.functional.mse_loss)
+    optimizer.step()
+    try:
+        pipe.save(os.path.join(os.environ["GPIPE_TEST_DIR"], "checkpoint"), optimizer=optimizer)
+    except ValueError as error:
+        return {"error": str(error)}
+    finally:
+        pipe.close()
+    return {"error": ""}

@@ -66,3 +66,10 @@ def test_weights_written_before_the_first_step_count_as_initialized(how: str) ->
     results = check(launch("meta_scenarios:refuses_unwritten", 2, how=how))
     for result in results:
         assert result["error"] == "" and result["loss"] < 1e-12, result
+
+
+def test_saving_an_optimizer_over_the_whole_model_names_the_fix() -> None:
+    results = check(launch("meta_scenarios:save_with_whole_model_optimizer", 2))
+    for result in results:
+        assert "does not train" in result["error"], result
+        assert "pipe.parameters()" in result["error"], result
