@@ -91,3 +91,53 @@ def _homes_of_ties(model: nn.Module) -> list[nn.Module]:
                 tied.append(first[id(param)])
             first.setdefault(id(param), module)
     return tied
+
+
+def loads_safetensors_into_a_meta_pipe(folder: str) -> Any:
+    """GPT-2 built on meta, each rank's weights copied by name from a safetensors file
+    (written by the test from a model built normally); then a checkpoint of the pipe,
+    consolidated, loads into the Hugging Face class with strict=True."""
+    import os
+
+    import torch.distributed as dist
+    import transformers as hf
+    from safetensors import safe_open
+
+    this = case("gpt2")
+    (ids, _), target = this.inputs(), this.target()
+    with torch.device("meta"):
+        model = this.build().double()
+    stages = gpipe.split(model, split_points=this.split_points, example_inputs=(ids,))
+    pipe = gd.DistributedGPipe(stages, chunks=2, schedule="1f1b", timeout=60)
+    tied = model.all_tied_weights_keys
+    with (
+        safe_open(os.path.join(folder, "model.safetensors"), framework="pt") as weights,
+        torch.no_grad(),
+    ):
+        for name, param in model.named_parameters():
+            if not param.is_meta:
+                param.copy_(weights.get_tensor(tied.get(name, name)))
+    got = pipe.train_step(ids, target, loss)
+    plain = hf.GPT2LMHeadModel.from_pretrained(folder).double().train()
+    expected = loss(plain(ids), target)
+    expected.backward()
+    reference = dict(plain.named_parameters())
+    grad = max(
+        _diff(p.grad, reference[tied.get(n, n)].grad)
+        for n, p in model.named_parameters()
+        if not p.is_meta
+    )
+    pipe.save(os.path.join(folder, "checkpoint"))
+    strict = ""
+    if dist.get_rank() == 0:
+        gd.consolidate(os.path.join(folder, "checkpoint"), os.path.join(folder, "trained.pt"))
+        trained = this.build().double()
+        try:
+            trained.load_state_dict(torch.load(os.path.join(folder, "trained.pt")), strict=True)
+        except RuntimeError as error:
+            strict = str(error)
+        else:
+            same = all(torch.equal(a, b) for a, b in zip(trained.parameters(), plain.parameters()))
+            strict = "" if same else "the consolidated weights differ from the loaded ones"
+    pipe.close()
+    return {"loss": _diff(got, expected), "grad": grad, "strict": strict}

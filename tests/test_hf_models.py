@@ -141,3 +141,19 @@ def test_t5_draws_the_same_dropout_masks_under_every_layout() -> None:
         # NOTE: the tied embedding's gradient is summed by two stages' workers in thread
         # order: equal to rounding
         assert worst < 1e-15, (points, schedule, checkpoint, worst)
+
+
+@pytest.mark.timeout(300)
+def test_a_meta_built_pipe_loads_safetensors_weights_by_name_and_consolidates_strictly(
+    tmp_path,
+) -> None:
+    pytest.importorskip("safetensors")
+    build("gpt2", seed=4).save_pretrained(tmp_path)  # stands in for downloaded weights
+    results = check(
+        launch(
+            "hf_scenarios:loads_safetensors_into_a_meta_pipe", 2, timeout=250, folder=str(tmp_path)
+        )
+    )
+    for result in results:
+        assert result["loss"] < 1e-12 and result["grad"] < 1e-12, result
+    assert results[0]["strict"] == "", results[0]["strict"]
