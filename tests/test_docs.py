@@ -17,10 +17,10 @@ EXAMPLES = ["models.md", "randomness.md"]
 
 
 def _torchrun_scripts() -> list[tuple[str, int, str]]:
-    """The complete torchrun scripts of the README and docs/distributed.md, each as (page,
-    ranks, code): the blocks that name their launch and call ``gd.init()``."""
+    """The complete torchrun scripts of the README, docs/distributed.md and docs/models.md,
+    each as (page, ranks, code): the blocks that name their launch and call ``gd.init()``."""
     found = []
-    for page in (ROOT / "README.md", ROOT / "docs" / "distributed.md"):
+    for page in (ROOT / "README.md", ROOT / "docs" / "distributed.md", ROOT / "docs" / "models.md"):
         for block in re.findall(r"```python\n(.*?)```", page.read_text(), flags=re.DOTALL):
             launch = re.search(r"torchrun --nproc-per-node (\d+) train\.py", block.split("\n")[0])
             if launch and "gd.init()" in block:
@@ -37,6 +37,8 @@ def test_the_pages_python_examples_run(page: str) -> None:
     blocks = re.findall(r"```python\n(.*?)```", text, flags=re.DOTALL)
     assert blocks, f"{page} has no python example"
     for block in blocks:
+        if block.startswith("# torchrun"):  # run on processes of their own, below
+            continue
         exec(compile(block, f"docs/{page}", "exec"), {"__name__": "docs_example"})
 
 
@@ -61,6 +63,7 @@ def test_the_readme_and_the_distributed_page_have_torchrun_scripts() -> None:
     assert [(page, ranks) for page, ranks, _ in SCRIPTS] == [
         ("README.md", 2),
         ("distributed.md", 4),
+        ("models.md", 2),
     ]
 
 

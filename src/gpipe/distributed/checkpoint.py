@@ -51,6 +51,8 @@ def save(
 
     Raises:
         TypeError: an ``extra`` value that is neither a tensor nor JSON.
+        ValueError: ``optimizer`` holds parameters this rank does not train (one built
+            over the whole model, not ``pipe.parameters()``).
     """
     target = Path(path)
     view = pipe.user_view()
@@ -150,7 +152,26 @@ _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 def _optimizer_state(view: nn.Module, optimizer: Any) -> dict[str, Any]:
+    _refuse_others(view, _holding(optimizer))
     return get_optimizer_state_dict(view, _holding(optimizer), options=_FLAT)
+
+
+def _refuse_others(view: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Raise if ``optimizer`` holds parameters this rank does not train.
+
+    NOTE: an optimizer over the whole model (``AdamW(model.parameters())``) holds the
+    other ranks' parameters too, freed to meta; torch.distributed.checkpoint, asked for
+    their names, failed with ``KeyError: 8``.
+    """
+    mine = {id(p) for p in view.parameters()}
+    others = sum(id(p) not in mine for group in optimizer.param_groups for p in group["params"])
+    if others:
+        raise ValueError(
+            f"the optimizer holds {others} parameters that this rank does not train (other "
+            "ranks' stages, freed to meta), so its state cannot be saved or loaded by name: "
+            "build it over this rank's own parameters, torch.optim.AdamW(pipe.parameters(), "
+            "...), or with pipe.make_optimizer(torch.optim.AdamW, ...)"
+        )
 
 
 def _holding(optimizer: Any) -> torch.optim.Optimizer:

@@ -1,7 +1,7 @@
 """Where the stages begin: units of the model, the submodule each graph node belongs to, and
 the cuts that split points or a balance put before them.
 
-A *unit* is what a balance counts and what keys a random stream: each top-level child of
+A *unit* is what a balance counts: each top-level child of
 the model, except that a container child (``nn.ModuleList``, ``nn.Sequential``) counts
 each of its children (``h.0``, ``h.1``, ...), and a child holding a container counts its
 own children so (GPT-2's ``transformer.wte``, ..., ``transformer.h.0``, ...). A split
@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from torch import fx, nn
+
+from gpipe.randomness import LayerKey
 
 __all__ = ["Cuts", "cut_at_points", "cut_by_balance", "ordered_units", "units_of"]
 
@@ -90,15 +92,21 @@ class Cuts:
 
     Attributes:
         stage_of: the stage of each compute node.
-        position_of: the unit index of each compute node (its random stream).
+        position_of: the unit index of each compute node.
         units: the units in the order the model first runs them.
         balance: units per stage (the units whose first node falls in that stage).
+        stream_of: the random stream of each compute node: the name of the innermost
+            submodule running it, and for a module the model runs again later (T5's
+            ``encoder.dropout``, called after the embedding and after the last block),
+            ``"<name>#<run>"`` for each run after the first, so each call draws its own
+            mask, as in plain PyTorch.
     """
 
     stage_of: dict[fx.Node, int]
     position_of: dict[fx.Node, int]
     units: list[str]
     balance: list[int]
+    stream_of: dict[fx.Node, LayerKey] = field(default_factory=dict)
 
     @property
     def stages(self) -> int:
@@ -156,7 +164,27 @@ def _assign(
     for unit in ordered:
         at = first.get(unit, 0)
         balance[sum(1 for s in starts if at >= s)] += 1
-    return Cuts(stage_of, positions, ordered, balance)
+    return Cuts(stage_of, positions, ordered, balance, _streams(nodes))
+
+
+def _streams(nodes: list[fx.Node]) -> dict[fx.Node, LayerKey]:
+    """Each node's random stream: the name of the innermost submodule it belongs to ("" for
+    the model's own forward), numbered by that module's run.
+
+    NOTE: named by module, not by unit, and counted over the whole graph, never per stage,
+    so a call keeps its stream whatever the cuts and split points (a split point inside a
+    unit would renumber the units), and two stages never draw under one key.
+    """
+    runs: dict[str, int] = {}
+    streams: dict[fx.Node, LayerKey] = {}
+    previous: str | None = None
+    for node in nodes:
+        name = owner(node) or ""
+        if name != previous:
+            runs[name] = runs.get(name, -1) + 1
+            previous = name
+        streams[node] = name if runs[name] == 0 else f"{name}#{runs[name]}"
+    return streams
 
 
 def cut_at_points(

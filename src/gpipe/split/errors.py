@@ -7,7 +7,7 @@ import traceback
 
 import torch
 
-__all__ = ["UntraceableError", "untraceable"]
+__all__ = ["UntraceableError", "is_user_frame", "untraceable"]
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _GPIPE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -38,7 +38,7 @@ class UntraceableError(ValueError):
         self.line = line
 
 
-def _is_user_frame(filename: str) -> bool:
+def is_user_frame(filename: str) -> bool:
     path = os.path.abspath(filename)
     return not (path.startswith(_TORCH_DIR) or path.startswith(_GPIPE_DIR))
 
@@ -52,8 +52,8 @@ def untraceable(error: BaseException, module: str, module_type: type | None) -> 
         module_type: its class, if known.
     """
     frames = traceback.extract_tb(error.__traceback__)
-    user = [f for f in frames if _is_user_frame(f.filename)]
-    fx_methods = [f.name for f in frames if not _is_user_frame(f.filename)]
+    user = [f for f in frames if is_user_frame(f.filename)]
+    fx_methods = [f.name for f in frames if not is_user_frame(f.filename)]
     operation = next(
         (_OPERATIONS[name] for name in reversed(fx_methods) if name in _OPERATIONS),
         f"an operation torch.fx cannot trace ({type(error).__name__}: {error})",

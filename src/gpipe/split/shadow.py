@@ -37,6 +37,7 @@ class Shadow:
             for name, value in examples.items()
         }
         self._values: dict[fx.Node, Any] = {}
+        self._of_metadata: set[fx.Node] = set()
 
     def record(self, node: fx.Node) -> None:
         """Compute ``node``'s value from its inputs' (nothing if any is unknown or it fails)."""
@@ -47,10 +48,21 @@ class Shadow:
             value = _UNKNOWN
         if value is not _UNKNOWN:
             self._values[node] = value
+            if _reads_metadata(node) or (
+                node.op in ("call_function", "call_method")
+                and node.all_input_nodes
+                and all(arg in self._of_metadata for arg in node.all_input_nodes)
+            ):
+                self._of_metadata.add(node)
 
     def value(self, node: fx.Node) -> Any:
         """The example's value of ``node``, or raise KeyError."""
         return self._values[node]
+
+    def of_metadata(self, node: fx.Node) -> bool:
+        """Whether ``node``'s value follows from tensors' shapes, ranks, dtypes and devices
+        alone (``x.shape[1] == 1``, ``mask.ndim < 4``), never from what they hold."""
+        return node in self._of_metadata
 
     def _compute(self, node: fx.Node) -> Any:
         if node.op == "placeholder":
@@ -79,6 +91,18 @@ class Shadow:
         if node.op == "call_module":
             return self._root.get_submodule(str(node.target))(*args, **kwargs)
         return _UNKNOWN
+
+
+_METADATA = frozenset({"shape", "ndim", "dtype", "size", "dim", "is_floating_point"})
+
+
+def _reads_metadata(node: fx.Node) -> bool:
+    """Whether ``node`` reads a tensor's metadata (``x.shape``, ``x.size()``, ``x.dtype``)."""
+    if node.op == "call_method":
+        return node.target in _METADATA
+    if node.op == "call_function" and node.target is getattr and len(node.args) == 2:
+        return node.args[1] in _METADATA
+    return False
 
 
 @contextlib.contextmanager

@@ -51,7 +51,8 @@ def split(
         example_kwargs: keyword inputs of that call (``attention_mask``, ``position_ids``);
             forward arguments given in neither keep their defaults, baked into the trace,
             and so are flag-like values given (``return_dict=True``, an int, ``None``):
-            a call of the pipe may repeat them, but not change them.
+            a call of the pipe may repeat them, but not change them. A ``use_cache``
+            argument (Hugging Face's) not given is False.
         balance: with no split points, how to cut: a list of units per stage (a unit is a
             top-level child, one block of an ``nn.ModuleList``/``Sequential``, or a child of
             a module holding one, such as GPT-2's ``transformer``),

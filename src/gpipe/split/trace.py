@@ -22,22 +22,41 @@ submodule, and stage modules read like the model (``state_dict`` keys, ``print``
 inlines every module into ATen operations. Plain ``symbolic_trace`` fails the HF-style
 model at a buffer sliced by a traced length (GPT-2's causal ``bias[:T, :T]``); gpipe's
 tracer proxies buffers, which follows it.
+
+Hugging Face models (GPT-2, Llama, BERT, T5, Mixtral in ``transformers`` 5) trace as they
+are, with four things plain fx lacks (measured in ``tests/test_hf_models.py``: every
+gradient equals plain training's to round-off):
+
+- the root is a generated function naming exactly the inputs given, which calls the
+  model's forward, so a decorated forward (``@can_return_tuple``) runs as in a call;
+- a condition on shapes, ranks or dtypes (``if q_length == 1``, ``mask.ndim < 4``) takes
+  the example's branch, as torch.export would specialize it, with a guard in the graph
+  that fails an input taking the other branch; ``len()`` of a shape is its rank;
+- ``x[i] = v`` is recorded; a ``ModelOutput`` is built again, so the pipe returns it;
+- ``use_cache`` not given is False: a cache is for generation, not a pipeline.
+
+torch.export was not taken even so: it inlines every module, so there are no leaves
+(Mixtral's data-dependent expert loop needs one: ``leaf_modules=[MixtralExperts]``) and
+no submodule calls for split points and user's modules to hold the parameters.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import inspect
 import operator
+import traceback
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import fx, nn
+from torch.fx.immutable_collections import immutable_dict
 
-from gpipe.split.errors import untraceable
+from gpipe.split.errors import is_user_frame, untraceable
 from gpipe.split.shadow import (
     Shadow,
     finfo_of_traced_dtypes,
@@ -74,6 +93,9 @@ class Traced:
     call_order: tuple[str, ...] = ()
 
 
+_PLAIN_DICTS = (dict, collections.OrderedDict, immutable_dict)
+
+
 class _Tracer(fx.Tracer):
     """torch.fx's tracer, with the user's leaves, proxied buffers, blame on failure, and the
     example run alongside (see :mod:`gpipe.split.shadow`)."""
@@ -83,9 +105,14 @@ class _Tracer(fx.Tracer):
     proxy_buffer_attributes = True
 
     def __init__(
-        self, names: set[str], types: tuple[type[nn.Module], ...], shadow: Shadow | None = None
+        self,
+        names: set[str],
+        types: tuple[type[nn.Module], ...],
+        shadow: Shadow | None = None,
+        root_fn: Callable[..., Any] | None = None,
     ) -> None:
         super().__init__()
+        self._root_fn = root_fn
         self._leaf_names = names
         self._leaf_types = types
         self.called_leaves: set[str] = set()
@@ -101,6 +128,64 @@ class _Tracer(fx.Tracer):
             finally:
                 self._shadowing = False
         return node
+
+    def create_args_for_root(
+        self, root_fn: Callable[..., Any], is_module: bool, concrete_args: Any = None
+    ) -> tuple[Any, list[Any]]:
+        if self._root_fn is not None:
+            root_fn, concrete_args = self._root_fn, None
+        return super().create_args_for_root(root_fn, is_module, concrete_args)
+
+    def create_arg(self, a: Any) -> Any:
+        # NOTE: fx records a dict subclass (Hugging Face's ModelOutput) as a plain dict; the
+        # graph builds the model's own type again, so the pipe returns what the model does.
+        if isinstance(a, dict) and type(a) not in _PLAIN_DICTS:
+            items = {key: super(_Tracer, self).create_arg(value) for key, value in a.items()}
+            return self.create_node("call_function", type(a), (), items)
+        return super().create_arg(a)
+
+    def to_bool(self, obj: fx.Proxy) -> bool:
+        """The example's truth of a condition on shapes (``if q_length == 1``), kept by a
+        guard in the graph; a condition on what tensors hold still fails.
+
+        NOTE: Hugging Face's mask code branches on ranks and lengths; torch.export would
+        specialize them the same way. The guard makes an input that would take the
+        other branch fail loudly instead of running the example's branch.
+        """
+        shadow = self.shadow
+        if shadow is None or not shadow.of_metadata(obj.node):
+            return super().to_bool(obj)
+        truth = bool(shadow.value(obj.node))
+        condition = obj if truth else self.create_proxy("call_function", operator.not_, (obj,), {})
+        frame = next(
+            (f for f in reversed(traceback.extract_stack()) if is_user_frame(f.filename)), None
+        )
+        where = (
+            f" at {frame.filename}:{frame.lineno} (`{(frame.line or '').strip()}`)" if frame else ""
+        )
+        self.create_proxy(
+            "call_function",
+            torch._assert,
+            (
+                condition,
+                f"gpipe.split traced the model where a condition on shapes{where} was "
+                f"{truth} for the example inputs; these inputs make it {not truth}, a "
+                "branch the trace does not hold: call gpipe.split with example inputs "
+                "shaped like these (the same batch size, for a condition on it)",
+            ),
+            {},
+        )
+        return truth
+
+    def iter(self, obj: fx.Proxy) -> Iterator[Any]:
+        """The items of a shape (``(*x.shape[:-1], -1)``), each a graph value: how many
+        there are is the tensor's rank, which no input changes."""
+        shadow = self.shadow
+        if shadow is not None and shadow.of_metadata(obj.node):
+            value = shadow.value(obj.node)
+            if isinstance(value, tuple | list):
+                return iter([obj[i] for i in range(len(value))])  # type: ignore[index]
+        return super().iter(obj)
 
     def getattr(self, attr: str, attr_val: Any, parameter_proxy_cache: dict[str, Any]) -> Any:
         if self._shadowing:
@@ -154,6 +239,35 @@ def _traceable_factories() -> Iterator[None]:
     """
     with torch_functions_wrapped(_SIZED_FACTORIES, _sizes_as_tuple):
         yield
+
+
+@contextlib.contextmanager
+def _lengths_of_shapes(shadow: Shadow) -> Iterator[None]:
+    """Let ``len(x.shape)`` (and ``(*x.shape[:-1], -1)``, which asks for it) be the rank,
+    and record ``x[index] = value`` (Mixtral's expert routing) as the operation it is.
+
+    NOTE: fx's Proxy refuses ``len()`` outright, not through the tracer as it does ``if``
+    and iteration; the length of a shape is the tensor's rank, which no input changes.
+    """
+    refuse = fx.Proxy.__len__
+
+    def length(proxy: fx.Proxy) -> int:
+        if shadow.of_metadata(proxy.node):
+            value = shadow.value(proxy.node)
+            if isinstance(value, tuple | list):
+                return len(value)
+        return refuse(proxy)
+
+    def setitem(proxy: fx.Proxy, key: Any, value: Any) -> None:
+        proxy.tracer.create_proxy("call_function", operator.setitem, (proxy, key, value), {})
+
+    fx.Proxy.__len__ = length  # type: ignore[method-assign]
+    setattr(fx.Proxy, "__setitem__", setitem)  # noqa: B010
+    try:
+        yield
+    finally:
+        fx.Proxy.__len__ = refuse  # type: ignore[method-assign]
+        delattr(fx.Proxy, "__setitem__")
 
 
 def _leaf_spec(
@@ -262,66 +376,64 @@ def trace(
     given, concrete = _concrete_args(model, args, kwargs)
     bound = inspect.signature(model.forward).bind(*args, **kwargs).arguments
     constants = {name: value for name, value in bound.items() if name not in given}
+    if "use_cache" in inspect.signature(model.forward).parameters and "use_cache" not in bound:
+        # NOTE: a Hugging Face model defaults to its config's use_cache=True and returns a
+        # key-value cache, an object no stage can hand on; a pipeline trains, and a cache
+        # is for generation.
+        constants["use_cache"] = False
     shadow = Shadow(model, dict(bound) | concrete)
-    tracer = _Tracer(names, types, shadow)
+    tracer = _Tracer(names, types, shadow, _root_function(model, given, constants))
     try:
-        with _traceable_factories(), finfo_of_traced_dtypes(shadow), kept_buffers(model):
-            graph = tracer.trace(model, concrete_args=concrete or None)
+        with (
+            _traceable_factories(),
+            finfo_of_traced_dtypes(shadow),
+            _lengths_of_shapes(shadow),
+            kept_buffers(model),
+        ):
+            graph = tracer.trace(model)
     except Exception as error:
         module, module_type = getattr(error, "_gpipe_module", ("", type(model)))
         raise untraceable(error, module, module_type if module else None) from error
-    placeholders = _name_placeholders(graph, model, given, concrete)
+    nodes = [node for node in graph.nodes if node.op == "placeholder"]
     call_order = tuple(
         name for name in inspect.signature(model.forward).parameters if name in bound
     )
     return Traced(
         graph,
         tuple(given),
-        placeholders,
+        dict(zip(given, nodes)),
         frozenset(tracer.called_leaves),
         constants,
         call_order,
     )
 
 
-def _name_placeholders(
-    graph: fx.Graph, model: nn.Module, given: list[str], concrete: dict[str, Any]
-) -> dict[str, fx.Node]:
-    """Each given input's placeholder; those of arguments baked in as defaults are removed.
+def _root_function(
+    model: nn.Module, given: list[str], constants: dict[str, Any]
+) -> Callable[..., Any]:
+    """A function of ``(self, *given)`` that calls the model's forward with those inputs and
+    the ``constants``, by name, for torch.fx to trace in place of the forward.
 
-    fx makes one placeholder per named argument, in the forward's order (renaming one that
-    would shadow a name, ``mask_1``), so the order tells which is which.
+    NOTE: torch.fx rewrites the code of a forward that takes ``*args``/``**kwargs`` to bind
+    its placeholders, which fails on a forward wrapped by a decorator (every Hugging Face
+    model's: "co_varnames is too small"); and it would make ``**kwargs`` one traced input.
+    This function names exactly the inputs the call gives, and the decorators run as in a
+    plain call; the defaults of inputs not given apply as Python applies them.
     """
-    for node in list(graph.nodes):
-        if node.op == "call_function" and getattr(node.target, "__name__", "") == "_assert_is_none":
-            graph.erase_node(node)  # fx's guard that a None default stays None
-    nodes = [node for node in graph.nodes if node.op == "placeholder"]
-    names = [n for n in inspect.signature(model.forward).parameters if n in concrete or n in given]
-    if len(nodes) != len(names):
-        raise RuntimeError(f"torch.fx made placeholders {nodes} for the arguments {names}")
-    found: dict[str, fx.Node] = {}
-    for node, name in zip(nodes, names):
-        if name in concrete:
-            _drop_guards(graph, node)
-            if node.users:
-                raise RuntimeError(f"the default of {name!r} is still read by {list(node.users)}")
-            graph.erase_node(node)
-        else:
-            found[name] = node
-    return found
-
-
-def _drop_guards(graph: fx.Graph, node: fx.Node) -> None:
-    """Erase fx's guard that a default baked into the trace keeps its value.
-
-    NOTE: for a default other than None (``scale=1.0``, ``use_cache=False``) fx adds
-    ``torch._assert(arg == default)``; the argument is no input of the stages, so the guard
-    would read a value nobody passes.
-    """
-    for user in list(node.users):
-        if user.op == "call_function" and user.target is operator.eq:
-            for guard in list(user.users):
-                if guard.op == "call_function" and guard.target is torch._assert:
-                    graph.erase_node(guard)
-            if not user.users:
-                graph.erase_node(user)
+    forward = type(model).forward
+    parameters = inspect.signature(forward).parameters
+    positional = [
+        name
+        for name, p in parameters.items()
+        if p.kind is inspect.Parameter.POSITIONAL_ONLY and (name in given or name in constants)
+    ]
+    passed = [name if name in given else f"_constants[{name!r}]" for name in positional]
+    passed += [f"{name}={name}" for name in given if name not in positional]
+    passed += [f"{name}=_constants[{name!r}]" for name in constants if name not in positional]
+    source = (
+        f"def forward(self, {', '.join(given)}):\n    return _forward(self, {', '.join(passed)})\n"
+    )
+    scope: dict[str, Any] = {"_forward": forward, "_constants": constants}
+    exec(compile(source, f"<gpipe.split: {type(model).__name__}.forward>", "exec"), scope)
+    function: Callable[..., Any] = scope["forward"]
+    return function
