@@ -68,7 +68,7 @@ class Step:
                 blocked.
         """
         devices = self.stages.devices
-        context = CallerContext.capture(device.type for device in devices)
+        context = CallerContext.capture(devices)
         self.state.context = context
         if self.state.forward_context is None:
             self.state.forward_context = context.autocast_only()
@@ -118,8 +118,10 @@ class Step:
     def timeline(self, schedule: str) -> Timeline:
         """What ran so far, per device, in seconds from the step's start.
 
-        Each device's worker appends its events as it runs them, so they are in start order.
+        Each device's worker appends its events as it runs them, so they are in start order;
+        those run on a GPU get the times the GPU ran them (see :meth:`StepState.settle`).
         """
+        self.state.settle()
         return Timeline([list(device) for device in self.state.events], "s", schedule)
 
 
