@@ -322,6 +322,18 @@ def section_speed(args: argparse.Namespace) -> Iterator[tuple[str, Callable[[], 
 
     yield "speed GPU busy", busy
 
+    def memory() -> str:
+        lines = ["peak MiB, the stages' own count (timeline) vs the CUDA allocator's:"]
+        for name, pipe in pipes.items():
+            runs[name]()
+            ours = max(e.memory for device in pipe.timeline.events for e in device)
+            allocated = sum(pipe.cuda_memory.values())
+            lines.append(f"  {name:<12} {ours / 2**20:9.0f} {allocated / 2**20:9.0f}")
+            model.zero_grad(set_to_none=True)
+        return "\n".join(lines)
+
+    yield "speed memory", memory
+
     def timeline() -> str:
         pipe = pipes["1f1b"]
         runs["1f1b"]()

@@ -278,3 +278,9 @@ def test_gpu_action_times_come_from_their_events_when_the_timeline_is_read() -> 
     state.settle()
     assert state.events[0][0] == Event(Action("F", 0, 0), 1.003, 1.0075, 5)
     assert end.waited and state.timed == []
+
+
+def test_cuda_memory_is_empty_on_cpu() -> None:
+    pipe = GPipe(make_mlp(), [8, 8], devices=["cpu", "cpu"], chunks=2)
+    pipe(torch.randn(4, 6, dtype=torch.float64))
+    assert pipe.cuda_memory == {}

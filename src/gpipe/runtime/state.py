@@ -81,6 +81,8 @@ class StepState:
     # Actions run on a GPU, timed by CUDA events until settle() reads them: (device, index
     # in its events, the run's origin event, the origin's clock in ns, start, end event).
     timed: list[tuple[int, int, Any, int, Any, Any]] = field(default_factory=list)
+    # The CUDA allocator's peak on each GPU since the step began (track_memory only).
+    cuda_peaks: dict[torch.device, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.losses = [None] * self.microbatches
