@@ -69,13 +69,20 @@ def _sync() -> None:
 
 
 def _parity_model(layers: int, width: int, dtype: Any) -> Any:
+    """``layers`` blocks of 3 modules: to float32 on a CPU, Linear, Tanh."""
     import torch
     from torch import nn
+
+    class CpuFloat(nn.Module):
+        """bf16 (from a GPU stage under autocast) to float32 on a CPU, which has none."""
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x.float() if x.dtype == torch.bfloat16 and not x.is_cuda else x
 
     torch.manual_seed(0)
     blocks: list[nn.Module] = []
     for _ in range(layers):
-        blocks += [nn.Linear(width, width), nn.Tanh()]
+        blocks += [CpuFloat(), nn.Linear(width, width), nn.Tanh()]
     return nn.Sequential(*blocks).to(dtype)
 
 
@@ -111,9 +118,9 @@ def _parity_case(mode: str, devices: tuple[str, ...], dtype_name: str, schedule:
     layers = max(stages, 4)
     dtype = torch.float64 if dtype_name == "float64" else torch.float32
     model = _parity_model(layers, width, dtype)
-    per = 2 * layers // stages
+    per = 3 * layers // stages
     balance = [per] * stages
-    balance[-1] += 2 * layers - per * stages
+    balance[-1] += 3 * layers - per * stages
     pipe = GPipe(model, balance, devices=list(devices), chunks=m, schedule=schedule,
                  virtual_stages=virtual)  # fmt: skip
     torch.manual_seed(1)  # NOTE: drawn on the GPU: 512 MiB of randn takes a CPU seconds

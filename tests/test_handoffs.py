@@ -199,7 +199,7 @@ def test_gpu_to_gpu_copies_on_both_copy_streams_after_the_senders_event(
         ("move", str(GPU1), f"copy {GPU}", f"copy {GPU1}"),  # both devices' current streams
         ("record_stream", f"copy {GPU}"),  # the sender may free its tensor before the copy
         ("record_stream", f"compute {GPU1}"),
-        ("record", f"copy {GPU}", 1),
+        ("record", f"copy {GPU1}", 1),
         ("wait", f"compute {GPU1}", 1),
     ]
 

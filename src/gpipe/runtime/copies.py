@@ -128,7 +128,8 @@ def _to_gpu(message: Any, target: torch.device, copies: CopyStreams) -> Any:
 
     def move(tensor: torch.Tensor) -> torch.Tensor:
         moved = cuda.move(tensor, target)
-        cuda.record_stream(moved, consumer)  # NOTE: allocated on the copy stream
+        if moved is not tensor:  # NOTE: allocated on the copy stream
+            cuda.record_stream(moved, consumer)
         return moved
 
     with cuda.on_stream(stream):
@@ -145,6 +146,8 @@ def _between_gpus(message: Stamped, target: torch.device, copies: CopyStreams) -
     cuda.wait(sending, message.event)
 
     def move(tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.device.type != "cuda":  # a CPU tensor in a GPU stage's message
+            return tensor.to(target)
         moved = cuda.move(tensor, target)
         cuda.record_stream(tensor, sending)  # NOTE: the sender may free it before the copy
         cuda.record_stream(moved, consumer)
@@ -152,7 +155,8 @@ def _between_gpus(message: Stamped, target: torch.device, copies: CopyStreams) -
 
     with cuda.on_stream(receiving), cuda.on_stream(sending):
         moved = map_tensors(move, message.value)
-    cuda.wait(consumer, cuda.record(sending))
+    # NOTE: torch's copy between GPUs leaves the destination's current stream waiting for it
+    cuda.wait(consumer, cuda.record(receiving))
     return moved
 
 
