@@ -192,7 +192,8 @@ def test_cpu_to_gpu_is_copied_on_a_copy_stream_the_consumer_waits_for(fake: _Fak
 def test_gpu_to_gpu_copies_on_both_copy_streams_after_the_senders_event(
     fake: _FakeCuda,
 ) -> None:
-    sent = Stamped(torch.ones(2), _Event(_Stream(f"compute {GPU}"), 0), GPU)
+    on_gpu = torch.ones(2, device="meta")  # NOTE: stands for a tensor on the GPU
+    sent = Stamped(on_gpu, _Event(_Stream(f"compute {GPU}"), 0), GPU)
     arrive(sent, GPU, GPU1, CopyStreams())
     assert fake.log == [
         ("wait", f"copy {GPU}", 0),

@@ -146,7 +146,7 @@ def _between_gpus(message: Stamped, target: torch.device, copies: CopyStreams) -
     cuda.wait(sending, message.event)
 
     def move(tensor: torch.Tensor) -> torch.Tensor:
-        if tensor.device.type != "cuda":  # a CPU tensor in a GPU stage's message
+        if tensor.device.type == "cpu":  # a CPU tensor in a GPU stage's message
             return tensor.to(target)
         moved = cuda.move(tensor, target)
         cuda.record_stream(tensor, sending)  # NOTE: the sender may free it before the copy
