@@ -418,11 +418,16 @@ class StageWorker:
 
         def call(given: Any) -> tuple[Any, torch.Tensor | None]:
             if layered:
-                module.layer_scope = streams.layer_scope
-                try:
+                scope = streams.layer_scope
+                # NOTE: nn.Module.__setattr__ is slow, and twice per forward it showed
+                if scope is None:  # every layer runs as it is: the common case
                     output = module(given)
-                finally:
-                    module.layer_scope = None
+                else:
+                    module.layer_scope = scope
+                    try:
+                        output = module(given)
+                    finally:
+                        module.layer_scope = None
             else:  # NOTE: a dataflow's stage module draws from one stream as a whole
                 with streams.scope(keys[0]):
                     output = module(given)
