@@ -13,11 +13,12 @@ whole check keeps within ``--budget`` seconds (default 230: a lent H200's four m
 Sections:
 
 - tests: ``tests/test_cuda.py`` under pytest.
-- parity: every schedule's ``train_step``, and ``pipe(x)`` then ``.backward()``, against
-  plain training of the same layers on the same devices and micro-batches, in float64 and
-  under bf16 autocast; all stages on cuda:0, and mixed ``["cpu", "cuda:0"]`` (and the
-  reverse for the fill-drain backward). Every hand-off is 64 MiB, so a copy read before it
-  lands (a missed event) shows as a wrong answer, not as round-off.
+- parity (and backward, run last): every schedule's ``train_step``, and ``pipe(x)`` then
+  ``.backward()``, against plain training of the same layers on the same devices and
+  micro-batches, in float64 and under bf16 autocast; all stages on cuda:0, and mixed
+  ``["cpu", "cuda:0"]`` (and the reverse for the fill-drain backward). Every hand-off is
+  64 MiB, so a copy read before it lands (a missed event) shows as a wrong answer, not as
+  round-off.
 - speed: a GPT-2-small-sized model (12 layers, d=768, vocab 50304, T=512, batch 16) in 4
   stages on one GPU at M=8 against plain training of the same micro-batches: step time
   medians, peak CUDA memory, CPU time, the runtime's cost per action beyond plain, and the
@@ -48,8 +49,8 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zb-v")
 _VIRTUAL = {"interleaved": 2, "zb-v": 2}
 # A case's own timeout, seconds, inside its section's process (the first case of a
 # section also pays CUDA's start-up).
-_CASE_TIMEOUT = {"parity": 25.0, "speed": 45.0, "torch": 30.0}
-_SECTION_TIMEOUT = {"tests": 75.0, "parity": 80.0, "speed": 75.0, "torch": 35.0}
+_CASE_TIMEOUT = {"parity": 25.0, "speed": 45.0, "torch": 30.0, "backward": 15.0}
+_SECTION_TIMEOUT = {"tests": 60.0, "parity": 70.0, "speed": 70.0, "torch": 35.0, "backward": 60.0}
 
 
 # -- the parts each section runs (in its own process) ----------------------------------
@@ -86,19 +87,22 @@ def _parity_model(layers: int, width: int, dtype: Any) -> Any:
     return nn.Sequential(*blocks).to(dtype)
 
 
-def _parity_cases(smoke: bool) -> list[tuple[str, tuple[str, ...], str, str]]:
-    """(mode, devices, dtype, schedule) of each parity case, train_step first."""
+def _parity_cases(mode: str) -> list[tuple[str, tuple[str, ...], str, str]]:
+    """(mode, devices, dtype, schedule) of each parity case of ``mode``.
+
+    ``pipe(x).backward()`` always runs GPipe's fill-drain, so one schedule; and it has a
+    section of its own, run last: it is the one that hung.
+    """
     gpu = _device()
     layouts = [(gpu,) * 4, ("cpu", gpu)]
-    cases = []
-    for dtype in ("float64", "bf16"):
-        for devices in layouts:
-            for schedule in SCHEDULES:
-                cases.append(("train_step", devices, dtype, schedule))
-    for dtype in ("float64", "bf16"):
-        for devices in [*layouts, (gpu, "cpu")]:
-            cases.append(("backward", devices, dtype, "gpipe"))
-    return cases
+    if mode == "backward":
+        layouts.append((gpu, "cpu"))
+    return [
+        (mode, devices, dtype, schedule)
+        for dtype in ("float64", "bf16")
+        for devices in layouts
+        for schedule in (SCHEDULES if mode == "train_step" else ("gpipe",))
+    ]
 
 
 def _parity_case(mode: str, devices: tuple[str, ...], dtype_name: str, schedule: str,
@@ -193,7 +197,9 @@ def _parity_case(mode: str, devices: tuple[str, ...], dtype_name: str, schedule:
 
 
 def section_parity(args: argparse.Namespace) -> Iterator[tuple[str, Callable[[], str]]]:
-    for mode, devices, dtype, schedule in _parity_cases(args.smoke):
+    for mode, devices, dtype, schedule in _parity_cases(
+        "backward" if args.section == "backward" else "train_step"
+    ):
         name = f"parity {mode} {dtype} {'+'.join(devices)} {schedule}"
         yield name, lambda a=(mode, devices, dtype, schedule): _parity_case(*a, args.smoke)
 
@@ -428,6 +434,7 @@ SECTIONS: dict[str, Callable[[argparse.Namespace], Iterator[tuple[str, Callable[
     "parity": section_parity,
     "speed": section_speed,
     "torch": section_torch,
+    "backward": section_parity,
 }
 
 
