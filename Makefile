@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo report docs docs-pictures test test-all lint bench clean
+.PHONY: setup demo report docs docs-pictures test test-all lint bench gpu-check clean
 
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
@@ -49,6 +49,11 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/overhead.py
 	$(BIN)/python benchmarks/plan.py
 	$(BIN)/python benchmarks/memory.py
+
+# On a machine with a GPU: CUDA tests, parity and speed, one report in benchmarks/runs/.
+# NOTE: the machine's own python3 and torch, not .venv: a lent GPU reaches no registry.
+gpu-check:
+	PYTHONPATH=src $(PYTHON) benchmarks/gpu_check.py
 
 clean:
 	rm -rf $(VENV) build site *.egg-info src/*.egg-info

@@ -5,6 +5,9 @@ These need CUDA; on a machine without a GPU they are skipped (CPU runs cover the
 
 from __future__ import annotations
 
+import copy
+import itertools
+
 import pytest
 import torch
 from torch.nn import functional as F
@@ -65,3 +68,70 @@ def test_cuda_caller_current_device_is_restored() -> None:
     pipe = GPipe(make_mlp(), [8, 8], devices=_devices()[-2:], chunks=2)
     pipe(torch.randn(4, 6, dtype=torch.float64, device=pipe.devices[0]))
     assert torch.cuda.current_device() == before
+
+
+class _Stream(torch.nn.Module):
+    """The identity, noting the current CUDA stream each time it runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[int] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.append(torch.cuda.current_stream(x.device).stream_id)
+        return x
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "zb-h1"])
+def test_every_stage_runs_on_the_callers_stream(schedule: str) -> None:
+    layers = [_Stream() for _ in range(4)]
+    model = torch.nn.Sequential(*[m for layer in layers for m in (layer, torch.nn.Tanh())])
+    pipe = GPipe(model, [2, 2, 2, 2], devices=_devices(), chunks=4, schedule=schedule)
+    x = torch.randn(8, 6, device=pipe.devices[0])
+    side = torch.cuda.Stream(pipe.devices[0])
+    with torch.cuda.stream(side):
+        pipe.train_step(x, torch.zeros(8, 6, device=pipe.devices[-1]), F.mse_loss)
+    torch.cuda.synchronize()
+    assert {s for layer in layers for s in layer.seen} == {side.stream_id}
+
+
+@pytest.mark.parametrize("devices", [["cuda:0", "cpu"], ["cpu", "cuda:0"]])
+def test_large_hand_offs_between_cpu_and_gpu_match_plain_training(devices: list[str]) -> None:
+    # NOTE: 64 MiB per hand-off: a CPU stage reading a copy before it lands reads garbage.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(256, 256), torch.nn.Tanh(), torch.nn.Linear(256, 256), torch.nn.Tanh()
+    ).double()
+    plain = copy.deepcopy(model).cuda()
+    x = torch.randn(4 * 32768, 256, dtype=torch.float64, device="cuda")
+    F.mse_loss(plain(x), torch.zeros_like(x)).backward()
+    pipe = GPipe(model, [2, 2], devices=devices, chunks=4)
+    y = pipe(x.to(devices[0]))
+    F.mse_loss(y, torch.zeros_like(y)).backward()
+    assert_close(y.cuda(), plain(x).detach())
+    for param, expected in zip(model.parameters(), plain.parameters()):
+        assert_close(param.grad.cuda(), expected.grad)
+
+
+def test_gpu_timeline_shows_when_the_gpu_ran_each_action() -> None:
+    pipe = GPipe(make_mlp(width=512), [8, 8], devices=_devices()[:2], chunks=4)
+    x = torch.randn(4096, 512, dtype=torch.float64, device=pipe.devices[0])
+    pipe.train_step(x, torch.zeros(4096, 512, dtype=torch.float64, device=pipe.devices[-1]),
+                    F.mse_loss)  # fmt: skip
+    timeline = pipe.timeline
+    events = [event for device in timeline.events for event in device]
+    assert len(events) == 16
+    assert all(0 <= event.start <= event.end for event in events)
+    for device in timeline.events:  # one stream per GPU: its actions never overlap
+        assert all(a.end <= b.start + 1e-6 for a, b in itertools.pairwise(device))
+
+
+def test_cuda_memory_is_the_allocators_peak_of_the_last_step() -> None:
+    pipe = GPipe(make_mlp(width=512), [8, 8], devices=_devices()[:2], chunks=4)
+    x = torch.randn(4096, 512, dtype=torch.float64, device=pipe.devices[0])
+    pipe.train_step(x, torch.zeros(4096, 512, dtype=torch.float64, device=pipe.devices[-1]),
+                    F.mse_loss)  # fmt: skip
+    held = max(event.memory for device in pipe.timeline.events for event in device)
+    peaks = pipe.cuda_memory
+    assert set(peaks) == {torch.device(d) for d in _devices()[:2]}
+    assert sum(peaks.values()) >= held > 0

@@ -392,6 +392,18 @@ class GPipe(StepSettings, nn.Module):
         timeline.transfers = self._transport.transfers(self._last.state.origin_ns)
         return timeline
 
+    @property
+    def cuda_memory(self) -> dict[torch.device, int]:
+        """The CUDA allocator's peak bytes on each GPU during the last step (the timeline's
+        ``memory`` is what the stages hold for backward; this is everything allocated).
+
+        With ``track_memory`` on, each step resets each of the pipe's GPUs' peak statistics
+        (``torch.cuda.reset_peak_memory_stats``) as it begins; empty when it is off.
+        """
+        if self._last is None:
+            raise RuntimeError("no step has run yet: call pipe(x) or pipe.train_step(...) first")
+        return dict(self._last.state.cuda_peaks)
+
     def predicted_timeline(self, transfer: float = 0.0) -> Timeline:
         """The simulator's timeline of the last step's schedule, fed its measured costs.
 

@@ -9,6 +9,10 @@ worker thread would silently run outside the caller's ``torch.autocast`` or
 carries a snapshot of that state (``at::ThreadLocalState``) into them; a step does the same:
 it captures the state once per run on the calling thread and re-enters it in each other
 worker thread around that thread's actions, user modes outermost, as in the caller.
+
+The caller's current CUDA stream of each GPU the pipe uses goes with it: every stage on a
+GPU runs on that stream, so hand-offs between stages on one GPU, and between the caller and
+the pipe, are ordered by the stream itself (see :mod:`gpipe.runtime.copies` for the rest).
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ class CallerContext:
         hooks_disabled: the message ``disable_saved_tensors_hooks`` raises with, or None.
         dispatch_modes: the dispatch mode stack, outermost first.
         function_modes: the function mode stack, outermost first.
+        streams: the current CUDA stream of each GPU the pipe uses.
     """
 
     thread: int
@@ -54,11 +59,15 @@ class CallerContext:
     hooks_disabled: str | None
     dispatch_modes: tuple[Any, ...]
     function_modes: tuple[Any, ...]
+    streams: tuple[Any, ...] = ()
 
     @classmethod
-    def capture(cls, device_types: Iterable[str]) -> CallerContext:
-        """The calling thread's state, with autocast read for ``device_types`` and "cpu"."""
-        kinds = sorted(set(device_types) | {"cpu"})
+    def capture(cls, devices: Iterable[torch.device]) -> CallerContext:
+        """The calling thread's state, with autocast read for the types of ``devices`` and
+        "cpu", and the current stream of each GPU among ``devices``."""
+        devices = set(devices)
+        kinds = sorted({device.type for device in devices} | {"cpu"})
+        gpus = sorted((d for d in devices if d.type == "cuda"), key=lambda d: d.index or 0)
         return cls(
             thread=threading.get_ident(),
             grad=torch.is_grad_enabled(),
@@ -72,12 +81,13 @@ class CallerContext:
             hooks_disabled=torch._C._autograd._saved_tensors_hooks_get_disabled_error_message(),
             dispatch_modes=tuple(_get_current_dispatch_mode_stack()),
             function_modes=tuple(_get_current_function_mode_stack()),
+            streams=tuple(torch.cuda.current_stream(gpu) for gpu in gpus),
         )
 
     def autocast_only(self) -> CallerContext:
         """This snapshot's autocast alone, holding none of the caller's hooks or modes."""
         return dataclasses.replace(
-            self, saved_tensors_hooks=None, dispatch_modes=(), function_modes=()
+            self, saved_tensors_hooks=None, dispatch_modes=(), function_modes=(), streams=()
         )
 
     @property
@@ -92,6 +102,9 @@ class CallerContext:
             yield
             return
         with ExitStack() as stack:
+            # NOTE: entering a stream makes its GPU the current device until the exit
+            for stream in self.streams:
+                stack.enter_context(torch.cuda.stream(stream))
             stack.enter_context(torch.set_grad_enabled(self.grad))
             if self.inference:
                 stack.enter_context(torch.inference_mode())

@@ -9,15 +9,9 @@ from typing import Any
 import torch
 
 from gpipe.analysis import Transfer
+from gpipe.runtime.copies import CopyStreams, arrive, stamp
 from gpipe.runtime.routes import Routes
-from gpipe.runtime.transport import (
-    ACTIVATION,
-    GRADIENT,
-    Aborted,
-    Tag,
-    sending_stage,
-    to_device,
-)
+from gpipe.runtime.transport import ACTIVATION, GRADIENT, Aborted, Tag, sending_stage
 from gpipe.schedule import BACKWARD, FORWARD
 from gpipe.structure import leaves
 
@@ -100,7 +94,8 @@ class LocalTransport:
 
     Every message between stages on two different pipeline devices is recorded as a
     :class:`~gpipe.analysis.Transfer` (see :meth:`transfers`), so a local timeline shows
-    each hand-off, a dataflow's skips included.
+    each hand-off, a dataflow's skips included. A message that changes ``torch.device`` is
+    ordered by CUDA events on copy streams (see :mod:`gpipe.runtime.copies`).
 
     Args:
         placement: ``placement[s]`` is the device of model stage ``s``.
@@ -123,6 +118,11 @@ class LocalTransport:
         # _crossing: the two stages' pipeline devices (sending, receiving), when they differ.
         self._local: set[tuple[Any, ...]] = set()
         self._crossing: dict[tuple[Any, ...], tuple[int, int]] = {}
+        # _sources: the sending stage's torch.device, when it differs from the receiver's;
+        # _stamped: those among them sent from a GPU (see gpipe.runtime.copies).
+        self._sources: dict[tuple[Any, ...], torch.device] = {}
+        self._stamped: dict[tuple[Any, ...], torch.device] = {}
+        self._copies = CopyStreams()
         count = len(placement)
         for kind, stage, sender in _stage_pairs(count, routes):
             if not (0 <= sender < count and 0 <= stage < count):
@@ -131,6 +131,10 @@ class LocalTransport:
             source, target = placement[sender], placement[stage]
             if devices[source] == devices[target]:
                 self._local.add(key)
+            else:
+                self._sources[key] = devices[source]
+                if devices[source].type == "cuda":
+                    self._stamped[key] = devices[source]
             if source != target:
                 self._crossing[key] = (source, target)
         # NOTE: recording a message costs three builtin calls (a clock, an isinstance, an
@@ -153,9 +157,12 @@ class LocalTransport:
 
     def send(self, tag: Tag, value: Any) -> None:
         """Deliver ``value`` to the receiver of ``tag``; never blocks."""
-        if tag[:2] + tag[3:] in self._crossing:
+        key = tag[:2] + tag[3:]
+        if key in self._crossing:
             size = value.nbytes if isinstance(value, torch.Tensor) else _nbytes(value)
             self._sent.append((tag, _now(), size))
+            if key in self._stamped:
+                value = stamp(value, self._stamped[key])
         self._box(tag[1]).put(tag, value)
 
     def recv(self, tag: Tag) -> Any:
@@ -164,7 +171,8 @@ class LocalTransport:
         key = tag[:2] + tag[3:]
         if key in self._local:
             return value
-        value = to_device(value, self._devices[self._placement[tag[1]]])
+        target = self._devices[self._placement[tag[1]]]
+        value = arrive(value, self._sources.get(key), target, self._copies)
         if key in self._crossing:
             self._arrived[tag] = _now()
         return value

@@ -6,6 +6,8 @@ import threading
 from collections.abc import Sequence
 from functools import partial
 
+import torch
+
 from gpipe.analysis import Timeline
 from gpipe.runtime.context import CallerContext
 from gpipe.runtime.stages import StageSet
@@ -49,6 +51,13 @@ class Step:
         ]
         self._error: BaseException | None = None
         self._error_lock = threading.Lock()
+        self._gpus = sorted(
+            {d for d in stages.devices if d.type == "cuda"}, key=lambda d: d.index or 0
+        )
+        if state.track_memory:
+            # NOTE: the allocator's peak is the process's: counted from here, beside ours
+            for gpu in self._gpus:
+                torch.cuda.reset_peak_memory_stats(gpu)
 
     def run(self, actions: Sequence[Sequence[Action]]) -> None:
         """Run each device's action list concurrently; re-raise the first failure.
@@ -68,7 +77,7 @@ class Step:
                 blocked.
         """
         devices = self.stages.devices
-        context = CallerContext.capture(device.type for device in devices)
+        context = CallerContext.capture(devices)
         self.state.context = context
         if self.state.forward_context is None:
             self.state.forward_context = context.autocast_only()
@@ -91,6 +100,9 @@ class Step:
             raise
         finally:
             self.state.context = None  # NOTE: the step outlives the run: keep no user modes
+            if self.state.track_memory:
+                for gpu in self._gpus:
+                    self.state.cuda_peaks[gpu] = torch.cuda.max_memory_allocated(gpu)
             if self.stages.tied is not None:  # a failed run's too: none left for the next
                 self.stages.tied.collect_gradients()
         error, self._error = self._error, None
@@ -118,8 +130,10 @@ class Step:
     def timeline(self, schedule: str) -> Timeline:
         """What ran so far, per device, in seconds from the step's start.
 
-        Each device's worker appends its events as it runs them, so they are in start order.
+        Each device's worker appends its events as it runs them, so they are in start order;
+        those run on a GPU get the times the GPU ran them (see :meth:`StepState.settle`).
         """
+        self.state.settle()
         return Timeline([list(device) for device in self.state.events], "s", schedule)
 
 

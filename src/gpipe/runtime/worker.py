@@ -151,8 +151,21 @@ class StageWorker:
         self._params: dict[int, set[int]] = {}
         self._trainables: dict[int, list[torch.Tensor]] = {}
         self._redone = False  # whether the last _run redid its forward (see _run)
+        # On a GPU, each action's start and end are CUDA events on its stream, read when the
+        # timeline is (StepState.settle), against an event recorded as each run began.
+        self._timed = self.torch_device.type == "cuda"
+        self._origin: tuple[Any, int] | None = None
+        self._started: Any = None
 
     def run(self, actions: Sequence[Action]) -> None:
+        """Run ``actions`` in order, under the caller's state, on this worker's device.
+
+        NOTE: with autograd's multithreading off, this thread runs its backward's every node
+        itself, whatever their device. Otherwise the engine hands a GPU's nodes to its one
+        thread for that GPU, and ``pipe(x)`` then ``loss.backward()`` would hang: the engine
+        runs the pipe's own backward node (:class:`~gpipe.runtime.caller.PipelineBackward`)
+        on that very thread, which waits there for the other workers' gradients.
+        """
         perform = {FORWARD: self.forward, BACKWARD: self.backward}
         on_device = (
             torch.cuda.device(self.torch_device)
@@ -161,7 +174,13 @@ class StageWorker:
         )
         context = self.state.context
         after = self.state.after
-        with on_device, context.entered() if context else contextlib.nullcontext():
+        with (
+            context.entered() if context else contextlib.nullcontext(),
+            on_device,
+            torch.autograd.set_multithreading_enabled(False),
+        ):
+            if self._timed:
+                self._origin = (_timing_event(), time.perf_counter_ns())
             for action in actions:
                 if self.state.failed:
                     raise Aborted
@@ -182,7 +201,7 @@ class StageWorker:
             inputs = self.transport.recv((ACTIVATION, stage, mb))
         else:
             inputs = routes.receive(self.transport, stage, mb)
-        start = time.perf_counter_ns()
+        start = self._begin()
         inputs = _as_leaves(inputs)
         key = (stage, self.stages.module(stage).training)
         writes = self.stages.copies_input.get(key)
@@ -240,7 +259,7 @@ class StageWorker:
         else:
             messages = routes.receive_gradients(self.transport, stage, mb)
             grads = [g for _, message in messages for g in message]
-        start = time.perf_counter_ns()
+        start = self._begin()
         recomputed = 0  # bytes the recomputation keeps beyond the stashed input
         if saved.outputs is None:  # re-materialize: same inputs, same random streams
             key = (stage, self.stages.module(stage).training)
@@ -322,7 +341,7 @@ class StageWorker:
 
     def weight(self, action: Action) -> None:
         step, stage, mb = self.state, action.stage, action.microbatch
-        start = time.perf_counter_ns()
+        start = self._begin()
         weight = step.saved[stage, mb].weight
         if weight is not None:
             backward_weight(weight)
@@ -399,11 +418,16 @@ class StageWorker:
 
         def call(given: Any) -> tuple[Any, torch.Tensor | None]:
             if layered:
-                module.layer_scope = streams.layer_scope
-                try:
+                scope = streams.layer_scope
+                # NOTE: nn.Module.__setattr__ is slow, and twice per forward it showed
+                if scope is None:  # every layer runs as it is: the common case
                     output = module(given)
-                finally:
-                    module.layer_scope = None
+                else:
+                    module.layer_scope = scope
+                    try:
+                        output = module(given)
+                    finally:
+                        module.layer_scope = None
             else:  # NOTE: a dataflow's stage module draws from one stream as a whole
                 with streams.scope(keys[0]):
                     output = module(given)
@@ -481,13 +505,25 @@ class StageWorker:
             self._params[stage] = storage_keys([*params, *module.buffers()])
         return self._params[stage]
 
+    def _begin(self) -> int:
+        """Mark an action's start: now, and on a GPU when its stream gets here."""
+        if self._timed:
+            self._started = _timing_event()
+        return time.perf_counter_ns()
+
     def _record(self, action: Action, start_ns: int, memory: int | None = None) -> None:
-        if self.torch_device.type == "cuda":
-            # NOTE: kernels run asynchronously; without waiting, the timeline would show when
-            # work was queued, not when it ran.
-            torch.cuda.current_stream(self.torch_device).synchronize()
+        """Add the action to the timeline, its times from this thread's clock; on a GPU,
+        with its events, which replace them when the timeline is read.
+
+        NOTE: no wait for the GPU here: the next action is queued while this one runs.
+        """
         origin = self.state.origin_ns
         end_ns = time.perf_counter_ns()
+        if self._timed:
+            assert self._origin is not None
+            self.state.timed.append(
+                (self.device, len(self.events), *self._origin, self._started, _timing_event())
+            )
         self.events.append(
             Event(
                 action,
@@ -496,3 +532,10 @@ class StageWorker:
                 self.held if memory is None else memory,
             )
         )
+
+
+def _timing_event() -> Any:
+    """A CUDA event recorded now on the current stream, for timing."""
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event

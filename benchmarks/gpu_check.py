@@ -1,0 +1,660 @@
+"""The GPU check: CUDA tests, parity and speed on one GPU, in one command and one report.
+
+    make gpu-check                                   # or, with nothing installed:
+    PYTHONPATH=src python3 benchmarks/gpu_check.py [--out benchmarks/runs/gpu_check.txt]
+    PYTHONPATH=src python3 benchmarks/gpu_check.py --smoke    # tiny sizes; on CPU if no GPU
+
+Imports only torch, the standard library and gpipe (pytest for the tests section, if the
+machine has it). Each section runs in a process of its own under a timeout, so a hang (the
+section's stacks are dumped by faulthandler and it exits) or a crash costs that section
+alone; a hung case is reported as HUNG and the section goes on from the next case. The
+whole check keeps within ``--budget`` seconds (default 230: a lent H200's four minutes).
+
+Sections:
+
+- tests: ``tests/test_cuda.py`` under pytest.
+- parity (and backward, run last): every schedule's ``train_step``, and ``pipe(x)`` then
+  ``.backward()``, against plain training of the same layers on the same devices and
+  micro-batches, in float64 and under bf16 autocast; all stages on cuda:0, and mixed
+  ``["cpu", "cuda:0"]`` (and the reverse for the fill-drain backward). Every hand-off is
+  64 MiB, so a copy read before it lands (a missed event) shows as a wrong answer, not as
+  round-off.
+- speed: a GPT-2-small-sized model (12 layers, d=768, vocab 50304, T=512, batch 16) in 4
+  stages on one GPU at M=8 against plain training of the same micro-batches: step time
+  medians, peak CUDA memory, CPU time, the runtime's cost per action beyond plain, and the
+  GPU's busy fraction from torch.profiler's kernels.
+- torch: torch.distributed.pipelining's single-process schedules (every stage on this
+  rank) on the same model, as a reference.
+
+The report's last line is ``RESULT key=value ...``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zb-v")
+_VIRTUAL = {"interleaved": 2, "zb-v": 2}
+# A case's own timeout, seconds, inside its section's process (the first case of a
+# section also pays CUDA's start-up).
+_CASE_TIMEOUT = {"parity": 25.0, "speed": 45.0, "torch": 30.0, "backward": 15.0}
+_SECTION_TIMEOUT = {"tests": 60.0, "parity": 70.0, "speed": 70.0, "torch": 35.0, "backward": 60.0}
+
+
+# -- the parts each section runs (in its own process) ----------------------------------
+
+
+def _device() -> str:
+    import torch
+
+    return "cuda:0" if torch.cuda.is_available() else "cpu"
+
+
+def _sync() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _parity_model(layers: int, width: int, dtype: Any) -> Any:
+    """``layers`` blocks of 3 modules: to float32 on a CPU, Linear, Tanh."""
+    import torch
+    from torch import nn
+
+    class CpuFloat(nn.Module):
+        """bf16 (from a GPU stage under autocast) to float32 on a CPU, which has none."""
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x.float() if x.dtype == torch.bfloat16 and not x.is_cuda else x
+
+    torch.manual_seed(0)
+    blocks: list[nn.Module] = []
+    for _ in range(layers):
+        blocks += [CpuFloat(), nn.Linear(width, width), nn.Tanh()]
+    return nn.Sequential(*blocks).to(dtype)
+
+
+def _parity_cases(mode: str) -> list[tuple[str, tuple[str, ...], str, str]]:
+    """(mode, devices, dtype, schedule) of each parity case of ``mode``.
+
+    ``pipe(x).backward()`` always runs GPipe's fill-drain, so one schedule; and it has a
+    section of its own, run last: it is the one that hung.
+    """
+    gpu = _device()
+    layouts = [(gpu,) * 4, ("cpu", gpu)]
+    if mode == "backward":
+        layouts.append((gpu, "cpu"))
+    return [
+        (mode, devices, dtype, schedule)
+        for dtype in ("float64", "bf16")
+        for devices in layouts
+        for schedule in (SCHEDULES if mode == "train_step" else ("gpipe",))
+    ]
+
+
+def _parity_case(mode: str, devices: tuple[str, ...], dtype_name: str, schedule: str,
+                 smoke: bool) -> str:  # fmt: skip
+    """Run one parity case; its verdict line ("ok ..." or "FAIL ...")."""
+    import torch
+    from torch.nn import functional as F
+
+    from gpipe import GPipe
+
+    m = 4
+    width = 16 if smoke else 256
+    # NOTE: 32768 rows x 256 float64 = 64 MiB per micro-batch hand-off (32 MiB in fp32)
+    rows = 8 if smoke else 32768
+    virtual = _VIRTUAL.get(schedule, 1)
+    stages = len(devices) * virtual
+    layers = max(stages, 4)
+    dtype = torch.float64 if dtype_name == "float64" else torch.float32
+    model = _parity_model(layers, width, dtype)
+    per = 3 * layers // stages
+    balance = [per] * stages
+    balance[-1] += 3 * layers - per * stages
+    pipe = GPipe(model, balance, devices=list(devices), chunks=m, schedule=schedule,
+                 virtual_stages=virtual)  # fmt: skip
+    torch.manual_seed(1)  # NOTE: drawn on the GPU: 512 MiB of randn takes a CPU seconds
+    x = torch.randn(m * rows, width, dtype=dtype, device=_device())
+    target = torch.randn(m * rows, width, dtype=dtype, device=_device())
+    first = torch.device(devices[0])
+    last = torch.device(devices[-1] if schedule != "zb-v" else devices[0])
+    x, target = x.to(first), target.to(last)
+    autocast = (
+        torch.autocast("cuda", dtype=torch.bfloat16)
+        if dtype_name == "bf16" and torch.cuda.is_available()
+        else torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype_name == "bf16")
+    )
+    stage_devices = [next(p.parameters()).device for p in pipe.partitions]
+    order = sorted(range(len(pipe.partitions)), key=lambda s: s)
+
+    def plain() -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """Plain training: micro-batch by micro-batch through the same layers, no pipe."""
+        given = x.detach().requires_grad_(mode == "backward")
+        outputs, total = [], torch.zeros((), dtype=torch.float64)
+        for xi, ti in zip(given.chunk(m), target.chunk(m)):
+            with autocast:
+                h = xi
+                for s in order:
+                    h = pipe.partitions[s](h.to(stage_devices[s]))
+                loss = F.mse_loss(h.to(ti.device), ti) * (xi.shape[0] / given.shape[0])
+            loss.backward()
+            outputs.append(h.detach())
+            total += loss.detach().double().cpu()
+        return torch.cat(outputs), given.grad, total
+
+    def piped() -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+        given = x.detach().requires_grad_(mode == "backward")
+        with autocast:
+            if mode == "train_step":
+                loss = pipe.train_step(given, target, F.mse_loss)
+                return None, None, loss.double().cpu()
+            y = pipe(given)
+            loss = F.mse_loss(y.to(target.device), target)
+        loss.backward()
+        return y.detach(), given.grad, loss.detach().double().cpu()
+
+    params = list(model.parameters())
+    expected_y, expected_dx, expected_loss = plain()
+    expected = [p.grad.clone() for p in params]
+    model.zero_grad(set_to_none=True)
+    _sync()
+    began = time.perf_counter()
+    y, dx, loss = piped()
+    _sync()
+    seconds = time.perf_counter() - began
+    pairs = [(p.grad, e) for p, e in zip(params, expected)]
+    if y is not None:
+        pairs.append((y, expected_y))
+    if dx is not None:
+        pairs.append((dx, expected_dx))
+    worst = 0.0
+    for got, want in pairs:
+        if got is None:
+            return f"FAIL missing gradient ({seconds:.2f} s)"
+        got, want = got.double().cpu(), want.double().cpu()
+        scale = want.abs().max().item() or 1.0
+        worst = max(worst, (got - want).abs().max().item() / scale)
+    loss_error = abs(loss.item() - expected_loss.item()) / (abs(expected_loss.item()) or 1.0)
+    worst = max(worst, loss_error)
+    tolerance = 1e-9 if dtype_name == "float64" else 2e-2
+    pipe.close()
+    verdict = "ok" if worst <= tolerance and worst == worst else "FAIL"
+    return f"{verdict} rel_err={worst:.1e} (tol {tolerance:.0e}) {seconds:.2f} s"
+
+
+def section_parity(args: argparse.Namespace) -> Iterator[tuple[str, Callable[[], str]]]:
+    for mode, devices, dtype, schedule in _parity_cases(
+        "backward" if args.section == "backward" else "train_step"
+    ):
+        name = f"parity {mode} {dtype} {'+'.join(devices)} {schedule}"
+        yield name, lambda a=(mode, devices, dtype, schedule): _parity_case(*a, args.smoke)
+
+
+def _gpt(smoke: bool) -> tuple[Any, Any, Any, list[int], int]:
+    """The speed model on the GPU, a batch of ids and targets, the 4-stage balance, M."""
+    import torch
+
+    from gpipe.models import GPTConfig, gpt
+
+    if smoke:
+        config = GPTConfig(vocab=64, context=16, layers=4, heads=2, width=16, dropout=0.0)
+        batch = 8
+    else:
+        config = GPTConfig(vocab=50304, context=512, layers=12, heads=12, width=768, dropout=0.0)
+        batch = 16
+    torch.manual_seed(0)
+    model = gpt(config).to(_device())
+    ids = torch.randint(0, config.vocab, (batch, config.context), device=_device())
+    targets = torch.randint(0, config.vocab, (batch, config.context), device=_device())
+    # embedding + L blocks + norm + head: [4, 4, 4, 3] at full size, the head last
+    n = len(model)
+    balance = [n // 4 + (s < n % 4) for s in range(4)]
+    return model, ids, targets, balance, 8
+
+
+def _busy_fraction(run: Callable[[], None]) -> str:
+    """The share of one step's wall time the GPU ran kernels or copies (torch.profiler)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    if not torch.cuda.is_available():
+        return "n/a"
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        _sync()
+        began = time.perf_counter_ns()
+        run()
+        _sync()
+        wall_us = (time.perf_counter_ns() - began) / 1e3
+    spans = []
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            spans.append((event.time_range.start, event.time_range.end))
+    spans.sort()
+    busy, end = 0.0, float("-inf")
+    for start, stop in spans:  # the union of the intervals: streams may overlap
+        if stop > end:
+            busy += stop - max(start, end)
+            end = stop
+    return f"{busy / wall_us:.3f}"
+
+
+def section_speed(args: argparse.Namespace) -> Iterator[tuple[str, Callable[[], str]]]:
+    import torch
+
+    from gpipe import GPipe, scatter
+    from gpipe.models import gpt_loss
+
+    model, ids, targets, balance, m = _gpt(args.smoke)
+    gpu = _device()
+    pipes = {
+        f"{schedule}{'' if checkpoint == 'never' else '+ckpt'}": GPipe(
+            model, balance, devices=[gpu] * 4, chunks=m, schedule=schedule, checkpoint=checkpoint
+        )
+        for schedule, checkpoint in [
+            ("gpipe", "never"),
+            ("1f1b", "never"),
+            ("zb-h1", "never"),
+            ("1f1b", "except_last"),
+        ]
+    }
+    runs: dict[str, Callable[[], None]] = {}
+
+    def plain() -> None:
+        for x, t in zip(scatter(ids, m), scatter(targets, m)):
+            (gpt_loss(model(x), t) * (x.shape[0] / ids.shape[0])).backward()
+
+    runs["plain"] = plain
+    for name, pipe in pipes.items():
+        runs[name] = lambda pipe=pipe: pipe.train_step(ids, targets, gpt_loss)
+    actions = {name: (3 if "zb" in name else 2) * m * 4 for name in pipes}
+    wall: dict[str, list[float]] = {name: [] for name in runs}
+    cpu: dict[str, list[float]] = {name: [] for name in runs}
+    peak: dict[str, int] = {}
+
+    def measure() -> str:
+        for run in runs.values():  # warm-up: kernels chosen, memory cached
+            run()
+            model.zero_grad(set_to_none=True)
+        for _ in range(3 if args.smoke else 8):  # interleaved: noise lands on all alike
+            for name, run in runs.items():
+                _sync()
+                if torch.cuda.is_available():
+                    torch.cuda.reset_peak_memory_stats()
+                began, began_cpu = time.perf_counter(), time.process_time()
+                run()
+                _sync()
+                wall[name].append(time.perf_counter() - began)
+                cpu[name].append(time.process_time() - began_cpu)
+                if torch.cuda.is_available():
+                    peak[name] = torch.cuda.max_memory_allocated()
+                model.zero_grad(set_to_none=True)
+        plain_ms = statistics.median(wall["plain"]) * 1e3
+        plain_cpu = statistics.median(cpu["plain"]) * 1e3
+        steps = len(wall["plain"])
+        lines = [f"M={m}, K=4 stages on {gpu}, balance {balance}; medians of {steps} steps"]
+        lines.append(
+            "  (us/action: beyond plain, per F/B/W action; wall = step time, cpu = CPU time of "
+            "every thread)"
+        )
+        lines.append(f"  {'run':<12} {'step ms':>9} {'x plain':>8} {'cpu ms':>8} "
+                     f"{'wall us/a':>10} {'cpu us/a':>9} {'peak MiB':>9}")  # fmt: skip
+        for name in runs:
+            ms = statistics.median(wall[name]) * 1e3
+            cpu_ms = statistics.median(cpu[name]) * 1e3
+            key = name.replace("-", "_").replace("+", "_")
+            per_action = " " * 20
+            if name in actions:
+                wall_us = (ms - plain_ms) * 1e3 / actions[name]
+                cpu_us = (cpu_ms - plain_cpu) * 1e3 / actions[name]
+                per_action = f"{wall_us:10.1f} {cpu_us:9.1f}"
+                _result(f"speed_{key}_cpu_us_per_action", f"{cpu_us:.0f}")
+            lines.append(
+                f"  {name:<12} {ms:9.1f} {ms / plain_ms:8.3f} {cpu_ms:8.1f} {per_action} "
+                f"{peak.get(name, 0) / 2**20:9.0f}"
+            )
+            _result(f"speed_{key}_ms", f"{ms:.1f}")
+            if name != "plain":
+                _result(f"speed_{key}_ratio", f"{ms / plain_ms:.3f}")
+        _result("speed_plain_cpu_ms", f"{plain_cpu:.1f}")
+        return "\n".join(lines)
+
+    yield "speed step times", measure
+
+    def busy() -> str:
+        found = {name: _busy_fraction(runs[name]) for name in ("plain", "gpipe", "1f1b")}
+        for name, value in found.items():
+            _result(f"busy_{name}", value)
+        return "GPU busy fraction of one step: " + ", ".join(f"{k} {v}" for k, v in found.items())
+
+    yield "speed GPU busy", busy
+
+    def memory() -> str:
+        lines = ["peak MiB, the stages' own count (timeline) vs the CUDA allocator's:"]
+        for name, pipe in pipes.items():
+            runs[name]()
+            ours = max(e.memory for device in pipe.timeline.events for e in device)
+            allocated = sum(pipe.cuda_memory.values())
+            lines.append(f"  {name:<12} {ours / 2**20:9.0f} {allocated / 2**20:9.0f}")
+            model.zero_grad(set_to_none=True)
+        return "\n".join(lines)
+
+    yield "speed memory", memory
+
+    def timeline() -> str:
+        pipe = pipes["1f1b"]
+        runs["1f1b"]()
+        _sync()
+        events = [e for device in pipe.timeline.events for e in device]
+        span = max(e.end for e in events) - min(e.start for e in events)
+        busy = sum(e.end - e.start for e in events)
+        return (
+            f"1f1b timeline: {len(events)} actions, span {span * 1e3:.1f} ms, "
+            f"sum of action times {busy * 1e3:.1f} ms"
+        )
+
+    yield "speed timeline", timeline
+
+
+def section_torch(args: argparse.Namespace) -> Iterator[tuple[str, Callable[[], str]]]:
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    from gpipe import scatter
+    from gpipe.models import gpt_loss
+
+    def measure() -> str:
+        from torch.distributed import pipelining
+
+        model, ids, targets, balance, m = _gpt(args.smoke)
+        gpu = torch.device(_device())
+        if not dist.is_initialized():
+            backend = "cpu:gloo,cuda:nccl" if gpu.type == "cuda" else "gloo"
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        layers = list(model)
+        parts = []
+        for s in range(4):
+            start = sum(balance[:s])
+            parts.append(nn.Sequential(*layers[start : start + balance[s]]))
+        mb_ids = scatter(ids, m)[0]
+        shapes = [mb_ids]  # NOTE: a stage's input needs a gradient iff its example's does
+        for part in parts:
+            shapes.append(part(shapes[-1]).detach().requires_grad_())
+
+        def schedule(kind: str) -> Any:
+            stages = [
+                pipelining.PipelineStage(
+                    part, s, 4, gpu, input_args=shapes[s], output_args=shapes[s + 1]
+                )
+                for s, part in enumerate(parts)
+            ]
+            return getattr(pipelining, kind)(stages, m, loss_fn=gpt_loss)
+
+        def plain() -> None:
+            for x, t in zip(scatter(ids, m), scatter(targets, m)):
+                (gpt_loss(model(x), t) * (x.shape[0] / ids.shape[0])).backward()
+
+        runs: dict[str, Callable[[], None]] = {"plain": plain}
+        for kind in ("ScheduleLoopedBFS", "ScheduleInterleaved1F1B"):
+            runner = schedule(kind)
+            runs[kind] = lambda runner=runner: runner.step(ids, target=targets, losses=[])
+        times: dict[str, list[float]] = {name: [] for name in runs}
+        for run in runs.values():
+            run()
+            model.zero_grad(set_to_none=True)
+        for _ in range(2 if args.smoke else 5):
+            for name, run in runs.items():
+                _sync()
+                began = time.perf_counter()
+                run()
+                _sync()
+                times[name].append(time.perf_counter() - began)
+                model.zero_grad(set_to_none=True)
+        plain_ms = statistics.median(times["plain"]) * 1e3
+        lines = []
+        for name, seconds in times.items():
+            ms = statistics.median(seconds) * 1e3
+            lines.append(f"  {name:<24} {ms:9.1f} ms  x plain {ms / plain_ms:.3f}")
+            if name != "plain":
+                _result(f"torch_{name[8:].lower()}_ratio", f"{ms / plain_ms:.3f}")
+        dist.destroy_process_group()
+        return "torch.distributed.pipelining, 4 stages on one rank:\n" + "\n".join(lines)
+
+    yield "torch pipelining", measure
+
+
+SECTIONS: dict[str, Callable[[argparse.Namespace], Iterator[tuple[str, Callable[[], str]]]]] = {
+    "parity": section_parity,
+    "speed": section_speed,
+    "torch": section_torch,
+    "backward": section_parity,
+}
+
+
+def _result(key: str, value: str) -> None:
+    print(f"@RESULT {key}={value}", flush=True)
+
+
+def run_section(args: argparse.Namespace) -> None:
+    """Run one section's cases from ``args.start``, each under a watchdog, printing as it goes.
+
+    A case that overruns its timeout has every thread's stack dumped to stderr and the
+    process ends at once (``os._exit``: a hung worker cannot be joined); the caller starts
+    the section again after it.
+    """
+    timeout = _CASE_TIMEOUT[args.section] * (4 if args.smoke else 1)
+    for index, (name, case) in enumerate(SECTIONS[args.section](args)):
+        if index < args.start:
+            continue
+        print(f"@CASE {index} {name}", flush=True)
+        faulthandler.dump_traceback_later(timeout, exit=True)
+        try:
+            verdict = case()
+        except Exception:
+            verdict = "ERROR " + traceback.format_exc().strip().replace("\n", "\n    ")
+        faulthandler.cancel_dump_traceback_later()
+        first, *more = verdict.splitlines() or [""]
+        print(f"@DONE {index} {first}", *(f"\n@MORE {line}" for line in more), sep="", flush=True)
+    print("@END", flush=True)
+    sys.stdout.flush()
+    os._exit(0)  # NOTE: workers of a failed case may still hold locks: do not join them
+
+
+# -- the driver: runs every section in a process of its own -----------------------------
+
+
+class Report:
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+        self.results: dict[str, str] = {}
+
+    def say(self, line: str = "") -> None:
+        print(line, flush=True)
+        self.lines.append(line)
+
+
+def _child(
+    args: argparse.Namespace, section: str, start: int, timeout: float
+) -> tuple[int, str, str]:
+    command = [sys.executable, __file__, "--section", section, "--start", str(start)]
+    if args.smoke:
+        command.append("--smoke")
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
+    env["PYTHONFAULTHANDLER"] = "1"
+    with subprocess.Popen(
+        command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
+    ) as proc:  # fmt: skip
+        try:
+            out, err = proc.communicate(timeout=timeout)
+            return proc.returncode, out, err
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            out, err = proc.communicate()
+            return -9, out, err
+
+
+def _run_cases(args: argparse.Namespace, report: Report, section: str, deadline: float) -> None:
+    start, failures, total = 0, 0, 0
+    began = time.monotonic()
+    while True:
+        left = min(
+            _SECTION_TIMEOUT[section] * (4 if args.smoke else 1), deadline - time.monotonic()
+        )
+        if left < 5:
+            report.say(f"  SKIPPED from case {start}: out of time")
+            failures += 1
+            break
+        code, out, err = _child(args, section, start, left)
+        current: tuple[int, str] | None = None
+        for line in out.splitlines():
+            if line.startswith("@CASE "):
+                index, name = line[6:].split(" ", 1)
+                current = (int(index), name)
+            elif line.startswith("@DONE ") and current is not None:
+                verdict = line.split(" ", 2)[2]
+                total += 1
+                failures += verdict.startswith(("FAIL", "ERROR"))
+                report.say(f"  {current[1]}: {verdict}")
+                current = None
+            elif line.startswith("@MORE "):
+                report.say(f"    {line[6:]}")
+            elif line.startswith("@RESULT "):
+                key, value = line[8:].split("=", 1)
+                report.results[key] = value
+            elif line.startswith("@END"):
+                break
+            else:
+                report.say(f"  {line}")
+        if "@END" in out.splitlines():
+            break
+        if current is None:
+            report.say(f"  CRASHED (exit {code}) before any case:")
+            report.say("    " + err.strip()[-3000:].replace("\n", "\n    "))
+            failures += 1
+            break
+        total += 1
+        failures += 1
+        why = "HUNG" if "Timeout (" in err or code == -9 else f"CRASHED (exit {code})"
+        report.say(f"  {current[1]}: {why}; stacks:")
+        report.say("    " + err.strip()[-4000:].replace("\n", "\n    "))
+        start = current[0] + 1
+    report.results[f"{section}_failed"] = str(failures)
+    report.results[f"{section}_cases"] = str(total)
+    report.say(f"  ({time.monotonic() - began:.0f} s)")
+
+
+def _run_tests(args: argparse.Namespace, report: Report, deadline: float) -> None:
+    """tests/test_cuda.py under pytest; a hung test is deselected and the rest run again."""
+    deselected: list[str] = []
+    began = time.monotonic()
+    passed = failed = 0
+    for _ in range(3):
+        left = min(_SECTION_TIMEOUT["tests"], deadline - time.monotonic())
+        if left < 10:
+            report.say("  SKIPPED: out of time")
+            failed += 1
+            break
+        command = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider",
+                   "-o", f"faulthandler_timeout={max(5, int(left) - 10)}",
+                   "tests/test_cuda.py", *(f"--deselect={d}" for d in deselected)]  # fmt: skip
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
+        with subprocess.Popen(
+            command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            text=True, start_new_session=True,
+        ) as proc:  # fmt: skip
+            try:
+                out, _ = proc.communicate(timeout=left)
+                hung = False
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, 9)
+                out, _ = proc.communicate()
+                hung = True
+        lines = out.splitlines()
+        passed += sum(" PASSED" in line for line in lines)
+        failed += sum(" FAILED" in line or " ERROR" in line for line in lines if "::" in line)
+        if not hung:
+            report.say("    " + "\n    ".join(lines[-40:]))
+            break
+        running = [line.split(" ")[0] for line in lines if line.startswith("tests/")]
+        ended = (" PASSED", " FAILED", " SKIPPED", " ERROR")
+        done = {line.split(" ")[0] for line in lines if any(word in line for word in ended)}
+        stuck = [name for name in running if name not in done]
+        report.say(f"  HUNG in {stuck[-1] if stuck else '?'}; output and stacks:")
+        report.say("    " + "\n    ".join(lines[-60:]))
+        failed += 1
+        if not stuck:
+            break
+        deselected.append(stuck[-1])
+    report.results["tests_passed"] = str(passed)
+    report.results["tests_failed"] = str(failed)
+    report.say(f"  ({time.monotonic() - began:.0f} s)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "runs" / "gpu_check.txt"))
+    parser.add_argument("--budget", type=float, default=230.0, help="seconds for everything")
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes (runs on CPU too)")
+    parser.add_argument("--only", nargs="+", choices=["tests", *SECTIONS], help="these sections")
+    parser.add_argument("--section", help=argparse.SUPPRESS)
+    parser.add_argument("--start", type=int, default=0, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.section:
+        run_section(args)
+        return
+
+    import torch
+
+    began = time.monotonic()
+    deadline = began + args.budget
+    report = Report()
+    report.say(f"CMD {' '.join([Path(sys.executable).name, *sys.argv])}")
+    cuda = torch.cuda.is_available()
+    card = torch.cuda.get_device_name(0).replace(" ", "_") if cuda else "none"
+    report.say(f"CARD {card if cuda else 'none (no CUDA device: nothing but --smoke can run)'}")
+    report.say(
+        f"MACHINE {platform.machine()} {platform.system()}, {os.cpu_count()} cores, Python "
+        f"{platform.python_version()}, torch {torch.__version__}, CUDA {torch.version.cuda}"
+    )
+    report.say(f"START {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+    report.results["card"] = card
+    if not cuda and not args.smoke:
+        report.say("no CUDA device; run with --smoke to try the check's code on CPU")
+        report.results["ran"] = "0"
+    else:
+        for section in args.only or ["tests", *SECTIONS]:
+            report.say(f"== {section}")
+            if section == "tests":
+                _run_tests(args, report, deadline)
+            else:
+                _run_cases(args, report, section, deadline)
+    report.results["seconds"] = f"{time.monotonic() - began:.0f}"
+    report.say("RESULT " + " ".join(f"{k}={v}" for k, v in report.results.items()))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("\n".join(report.lines) + "\n")
+    print(f"report written to {out}", flush=True)
+    failures = sum(int(v) for k, v in report.results.items() if k.endswith("_failed"))
+    sys.stdout.flush()
+    os._exit(1 if failures else 0)
+
+
+if __name__ == "__main__":
+    main()
