@@ -163,16 +163,26 @@ def structures(schedule: str) -> Any:
 
 
 def structures_batched(schedule: str) -> Any:
-    """:func:`structures` through NCCL's poster (one ``batch_isend_irecv`` per batch), here
-    on gloo; and how many operations each batch held."""
+    """:func:`structures` through NCCL's poster (one ``batch_isend_irecv`` per batch, which
+    returns one work for the whole batch, as NCCL's does), here on gloo; and how many
+    operations each batch held."""
     from gpipe.distributed.posting import POSTER
 
     batches = []
     batch = dist.batch_isend_irecv
 
+    class Coalesced:
+        """One work for a whole batch, as NCCL's coalescing returns."""
+
+        def __init__(self, works: list[Any]) -> None:
+            self.works = works
+
+        def wait(self) -> bool:
+            return all(work.wait() for work in self.works)
+
     def counted(ops: list[dist.P2POp]) -> list[Any]:
         batches.append(len(ops))
-        return batch(ops)
+        return [Coalesced(batch(ops))]
 
     before = os.environ.get(POSTER)
     os.environ[POSTER] = "batched"

@@ -125,24 +125,33 @@ class NcclPoster(Poster):
                 owners.append(message)
         now = time.perf_counter_ns()
         works = dist.batch_isend_irecv(ops) if ops else []
-        for message, work in zip(owners, works):
-            message.works.append(work)
+        if len(works) == len(ops):
+            for message, work in zip(owners, works):
+                message.works.append(work)
+        else:  # NOTE: NCCL coalesces a batch into one work: every message waits on it
+            shared = list(works)
+            for message in batch:
+                message.works = shared
         for message in batch:
             message.posted_ns = now
             if message.send:
                 self._sends.append(message)
 
     def wait(self, message: Message) -> None:
-        for work in message.works:
-            work.wait()  # NOTE: the current stream waits; the host goes on
+        _wait_once(message.works)  # NOTE: the current stream waits; the host goes on
         message.done_ns = time.perf_counter_ns()
 
     def drain(self, failed: Callable[[], bool]) -> None:
         sends, self._sends = self._sends, []
         for message in sends:
-            for work in message.works:
-                work.wait()
-            message.works.clear()
+            _wait_once(message.works)
+
+
+def _wait_once(works: list[Any]) -> None:
+    """Wait for ``works`` and forget them (the list may be a whole batch's, shared by its
+    messages): a gloo work waited twice would wait for a second completion forever."""
+    while works:
+        works.pop(0).wait()
 
 
 class GlooPoster(Poster):
