@@ -9,7 +9,16 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["check_balance_type", "check_chunks", "check_flag", "check_model", "check_virtual"]
+__all__ = [
+    "check_balance_type",
+    "check_chunks",
+    "check_flag",
+    "check_model",
+    "check_stages_balance",
+    "check_target_size",
+    "check_virtual",
+    "refuse_keywords",
+]
 
 
 def check_model(module: Any, who: str) -> None:
@@ -72,3 +81,32 @@ def _refuse_compiled_whole(module: Any, who: str) -> None:
         raise TypeError(f"{who} got torch.compile(model): {why}; {fix}")
     if getattr(module, "_compiled_call_impl", None) is not None:
         raise ValueError(f"{who} got model.compile(): {why}, so nothing would compile; {fix}")
+
+
+def check_stages_balance(balance: Any, cut: list[int]) -> None:
+    """Refuse a ``balance`` other than the one ``gpipe.Stages`` were already cut with."""
+    if balance is not None and (isinstance(balance, str) or list(balance) != cut):
+        raise ValueError(
+            f"balance={balance!r} conflicts with the Stages' own balance {cut}: the stages are "
+            "already cut; leave balance out (choose the cuts when splitting, e.g. "
+            "gpipe.split(..., balance=...))"
+        )
+
+
+def check_target_size(target_size: int, total: int) -> None:
+    """Refuse a target whose batch size is not the input's."""
+    if target_size != total:
+        raise ValueError(
+            f"target has batch size {target_size} but input has {total}; give one target per "
+            "sample, or declare where the target is batched with "
+            "train_step(..., target_batch_dims=...)"
+        )
+
+
+def refuse_keywords(kwargs: Any) -> None:
+    """A pipe over an ``nn.Sequential`` takes one input: refuse keyword inputs."""
+    raise TypeError(
+        f"a pipe over an nn.Sequential takes one input, got keyword inputs {sorted(kwargs)}: "
+        "pass one tensor (or tuple/dict of them), or split the model into gpipe.Stages, which "
+        "take named inputs"
+    )

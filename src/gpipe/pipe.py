@@ -16,7 +16,10 @@ from gpipe.arguments import (
     check_balance_type,
     check_flag,
     check_model,
+    check_stages_balance,
+    check_target_size,
     check_virtual,
+    refuse_keywords,
 )
 from gpipe.balance import balance_by_memory, balance_by_params, balance_by_time
 from gpipe.batchnorm import (
@@ -243,12 +246,7 @@ class GPipe(StepSettings, nn.Module):
         count, v = len(stages), self.virtual_stages
         if count == 0:
             raise ValueError("the Stages hold no stage: split the model into at least one")
-        if balance is not None and (isinstance(balance, str) or list(balance) != stages.balance):
-            raise ValueError(
-                f"balance={balance!r} conflicts with the Stages' own balance {stages.balance}: "
-                "the stages are already cut; leave balance out (choose the cuts when "
-                "splitting, e.g. gpipe.split(..., balance=...))"
-            )
+        check_stages_balance(balance, stages.balance)
         if count % v:
             raise ValueError(
                 f"{count} stages cannot be spread over devices with virtual_stages={v}: "
@@ -532,12 +530,7 @@ class GPipe(StepSettings, nn.Module):
         microbatches, sizes = self._scatter(input)
         total = sum(sizes)
         target_size = batch_size(target, target_batch_dims, what="target")
-        if target_size != total:
-            raise ValueError(
-                f"target has batch size {target_size} but input has {total}; give one target "
-                "per sample, or declare where the target is batched with "
-                "train_step(..., target_batch_dims=...)"
-            )
+        check_target_size(target_size, total)
         targets = scatter(target, len(microbatches), target_batch_dims, what="target")
         weights = microbatch_weights(targets, sizes, reduction, microbatch_weight)
         if reduction == "mean":
@@ -577,11 +570,7 @@ class GPipe(StepSettings, nn.Module):
             return self._flow.bind(*args, **kwargs)
         if keywords and kwargs:
             if args or list(kwargs) != ["input"]:
-                raise TypeError(
-                    f"a pipe over an nn.Sequential takes one input, got keyword inputs "
-                    f"{sorted(kwargs)}: pass one tensor (or tuple/dict of them), or split the "
-                    "model into gpipe.Stages, which take named inputs"
-                )
+                refuse_keywords(kwargs)
             return kwargs["input"]
         if len(args) != 1:
             raise TypeError(

@@ -16,7 +16,6 @@ import datetime
 import itertools
 import os
 import weakref
-import zlib
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -25,7 +24,15 @@ import torch.distributed as dist
 from torch import nn
 
 from gpipe.analysis import Timeline
-from gpipe.arguments import check_balance_type, check_flag, check_model, check_virtual
+from gpipe.arguments import (
+    check_balance_type,
+    check_flag,
+    check_model,
+    check_stages_balance,
+    check_target_size,
+    check_virtual,
+    refuse_keywords,
+)
 from gpipe.balance import balance_by_params
 from gpipe.batchnorm import (
     DeferredBatchNorm,
@@ -43,6 +50,8 @@ from gpipe.distributed.link import measure_link
 from gpipe.distributed.materialize import keep_only
 from gpipe.distributed.mesh import Layout, collective_device, forget, groups_for
 from gpipe.distributed.mesh import device as default_device
+from gpipe.distributed.naming import state_names, under_stage, user_view
+from gpipe.distributed.protocol import Programs, settings_code, shapes_code
 from gpipe.distributed.replicas import GradientSync, last_gradient_actions
 from gpipe.distributed.ties import TiedWeights, find_ties, tie_groups
 from gpipe.distributed.timeline import gather_timeline, predict
@@ -63,12 +72,10 @@ from gpipe.runtime.stages import StageSet
 from gpipe.runtime.state import Loss, StepState
 from gpipe.runtime.step import Step
 from gpipe.schedule import FORWARD, Action, Schedule, check_virtual_stages
-from gpipe.schedule.lowering import Batch, Flow, lower
-from gpipe.schedule.validate import check_lowered
 from gpipe.settings import StepSettings
 from gpipe.skip import has_skippables
 from gpipe.skip import stages as skip_stages
-from gpipe.structure import leaves, map_tensors
+from gpipe.structure import map_tensors
 
 __all__ = ["DistributedGPipe", "close_all"]
 
@@ -310,9 +317,9 @@ class DistributedGPipe(StepSettings, nn.Module):
         # NOTE: the stage modules of gpipe.split and gpipe.skip.stages hold the user's layers
         # under their names in the user's model, so ties and checkpoints read those names;
         # only stage modules whose names clash are told apart as "stage.name" (see user_view).
-        self._by_stage = flow is not None and _state(partitions) is None
+        self._by_stage = flow is not None and state_names(partitions) is None
         self.ties = find_ties(
-            [_under(s, p) for s, p in enumerate(partitions)] if self._by_stage else partitions,
+            [under_stage(s, p) for s, p in enumerate(partitions)] if self._by_stage else partitions,
             placement,
             tied,
         )
@@ -330,6 +337,7 @@ class DistributedGPipe(StepSettings, nn.Module):
             held, [self.torch_device] * pp, placement, routes=self._routes, balance=self.balance
         )
         self._reader = 0 if self._routes is None else _first_reader(self._routes)
+        self._programs = Programs(self._routes, self.layout.position)
 
         self.groups = groups_for(self.layout, self.timeout, self.torch_device.type)
         self.mesh = self.groups.mesh
@@ -580,23 +588,12 @@ class DistributedGPipe(StepSettings, nn.Module):
         For ``Stages`` (from :func:`gpipe.split` or :func:`gpipe.skip.stages`), the stage
         modules' parameters and buffers under their own names, which are the user's; only
         if two stage modules use one name for different tensors, each stage's under
-        ``"stage.name"``.
+        ``"stage.name"`` (see :mod:`gpipe.distributed.naming`).
         """
-        view = nn.Module()
-        if self._flow is not None:
-            local = [self._stages.module(stage) for stage in self.local_stages]
-            state = None if self._by_stage else _state(local)
-            if state is None:
-                for stage, module in zip(self.local_stages, local):
-                    view.add_module(str(stage), module)
-                return view
-            for name, tensor in state.items():
-                _place(view, name, tensor)
-            return view
-        for partition in self.partitions:
-            for name, layer in partition.named_children():
-                view.add_module(name, layer)
-        return view
+        if self._flow is None:
+            return user_view(list(self.partitions), None, False)
+        local = [self._stages.module(stage) for stage in self.local_stages]
+        return user_view(local, self.local_stages, self._by_stage)
 
     def save(
         self,
@@ -650,7 +647,7 @@ class DistributedGPipe(StepSettings, nn.Module):
             else [
                 len(microbatches),
                 batch_size(part, self._input_dims()),
-                _shapes_code(microbatches),
+                shapes_code(microbatches),
             ]
         )
         code = self._settings_code()
@@ -685,16 +682,7 @@ class DistributedGPipe(StepSettings, nn.Module):
 
     def _settings_code(self) -> int:
         """A number standing for the settings every rank's step must share."""
-        schedule = self.schedule
-        if isinstance(schedule, str):
-            named = schedule
-        else:  # NOTE: a long text: made once per Schedule object
-            seen = self.__dict__.get("_named")
-            if seen is None or seen[0] is not schedule:
-                seen = self.__dict__["_named"] = (schedule, repr(schedule.actions))
-            named = seen[1]
-        text = f"{named}|{self.checkpoint}|{self.chunks}"
-        return zlib.crc32(text.encode())
+        return settings_code(self.schedule, self.checkpoint, self.chunks)
 
     def _announced_wait(self) -> None:
         """Wait for this rank's own step header to have gone (see :meth:`_begin`)."""
@@ -714,12 +702,7 @@ class DistributedGPipe(StepSettings, nn.Module):
     ) -> Loss:
         """The loss on the last stage: targets cut like the input, weighted over the batch."""
         size = batch_size(target, dims, what="target")
-        if size != total:
-            raise ValueError(
-                f"target has batch size {size} but input has {total}; give one target per "
-                "sample, or declare where the target is batched with "
-                "train_step(..., target_batch_dims=...)"
-            )
+        check_target_size(size, total)
         targets = scatter(target, count, dims, what="target")
         weights = microbatch_weights(
             targets, microbatch_sizes(total, self.chunks), reduction, microbatch_weight
@@ -766,7 +749,8 @@ class DistributedGPipe(StepSettings, nn.Module):
             state.after = both
         self._state = state
         step = Step(self._stages, transport, state)
-        transport.begin(self._program(schedule), key=(grad, self.training, count, self._shapes))
+        key = (grad, self.training, count, self._shapes)
+        transport.begin(self._programs.of(schedule), key=key)
         if inputs is not None:
             feed(step, inputs, self._holds)
         actions = [
@@ -778,29 +762,6 @@ class DistributedGPipe(StepSettings, nn.Module):
             self._transport.finish()
         self._ran = True
         return step
-
-    def _program(self, schedule: Schedule) -> list[Batch]:
-        """This rank's batches of ``schedule`` lowered (once per schedule), checked to run
-        to its end under NCCL's rules on every rank."""
-        programs: dict[Any, tuple[Schedule, list[Batch]]] = self.__dict__.setdefault(
-            "_programs", {}
-        )
-        key = (schedule.microbatches, schedule.split_backward, len(schedule))
-        known = programs.get(key)
-        if known is None or known[0].actions != schedule.actions:
-            lowered = lower(schedule, self._flow_links())
-            check_lowered(lowered)
-            known = programs[key] = (schedule, lowered.batches(self.layout.position))
-        return known[1]
-
-    def _flow_links(self) -> Flow | None:
-        routes = self._routes
-        if routes is None:
-            return None
-        return Flow(
-            tuple(tuple(source for source, _ in routes.sources[s]) for s in range(routes.count)),
-            tuple(tuple(reader for reader, _ in routes.readers[s]) for s in range(routes.count)),
-        )
 
     def _gradient_sync(self, schedule: Schedule) -> GradientSync | None:
         if self.layout.dp == 1:
@@ -828,11 +789,7 @@ class DistributedGPipe(StepSettings, nn.Module):
         """The input of a step: as given for a Sequential, named for ``Stages``."""
         if self._flow is None:
             if kwargs is not None:
-                raise TypeError(
-                    f"a pipe over an nn.Sequential takes one input, got keyword inputs "
-                    f"{sorted(kwargs)}: pass one tensor (or tuple/dict of them), or split the "
-                    "model into gpipe.Stages, which take named inputs"
-                )
+                refuse_keywords(kwargs)
             self._given(input, "input", "first stage and reads the input")
             return input
         positional = input if isinstance(input, tuple) else (input,)
@@ -899,18 +856,6 @@ class DistributedGPipe(StepSettings, nn.Module):
             transport.fail(failure)
 
 
-def _shapes_code(microbatches: list[Any]) -> int:
-    """A number standing for the micro-batches' structure, shapes and dtypes: what the
-    shapes of every message of a step follow from."""
-    described = [
-        (tuple(leaf.shape), str(leaf.dtype), leaf.requires_grad)
-        if isinstance(leaf, torch.Tensor)
-        else repr(leaf)
-        for leaf in leaves(microbatches)
-    ]
-    return zlib.crc32(repr(described).encode())
-
-
 def _balance(module: nn.Sequential, balance: Any, stages: int) -> Any:
     """Layers per stage: as given, or evened out by parameter count."""
     if balance is None or balance == "params":
@@ -932,11 +877,7 @@ def _stages_balance(
     stages: Stages, balance: Any, pp: int, virtual_stages: int, dp_size: int
 ) -> list[int]:
     """The balance of ``stages``, which must have one stage per rank (``v`` when interleaved)."""
-    if balance is not None and (isinstance(balance, str) or list(balance) != stages.balance):
-        raise ValueError(
-            f"balance={balance!r} conflicts with the Stages' own balance {stages.balance}: the "
-            "stages are already cut; leave balance out"
-        )
+    check_stages_balance(balance, stages.balance)
     if len(stages) != pp * virtual_stages:
         raise ValueError(
             f"the Stages hold {len(stages)} stages but the job has {pp} pipeline ranks x "
@@ -956,38 +897,3 @@ def _first_reader(routes: Routes) -> int:
             "a pipe needs at least one stage that does"
         )
     return min(routes.reading_input)
-
-
-def _state(modules: Sequence[nn.Module]) -> dict[str, torch.Tensor] | None:
-    """The parameters and persistent buffers of ``modules`` by their ``state_dict`` names;
-    None if one name means different tensors in two of them (a weight tied across stages
-    is one tensor under one name)."""
-    state: dict[str, torch.Tensor] = {}
-    for module in modules:
-        for name, tensor in module.state_dict(keep_vars=True).items():
-            if isinstance(tensor, torch.Tensor) and state.setdefault(name, tensor) is not tensor:
-                return None
-    return state
-
-
-def _place(root: nn.Module, name: str, tensor: torch.Tensor) -> None:
-    """Register ``tensor`` (the object itself) in ``root`` under the dotted ``name``."""
-    *path, leaf = name.split(".")
-    owner = root
-    for part in path:
-        child = owner._modules.get(part)
-        if child is None:
-            child = nn.Module()
-            owner.add_module(part, child)
-        owner = child
-    if isinstance(tensor, nn.Parameter):
-        owner.register_parameter(leaf, tensor)
-    else:
-        owner.register_buffer(leaf, tensor)
-
-
-def _under(stage: int, module: nn.Module) -> nn.Module:
-    """``module`` under the name of its stage, so its parameters read ``"stage.name"``."""
-    holder = nn.Module()
-    holder.add_module(str(stage), module)
-    return holder
