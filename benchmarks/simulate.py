@@ -64,7 +64,7 @@ def main() -> None:
         ("interleaved", interleaved(64, 1024, virtual_stages=2), False),
         ("zb-v", zb_v(64, 1024), False),
     ]
-    print(f"{'simulate':<26}{'actions':>9}{'reference s':>13}{'new s':>9}{'speed-up':>10}")
+    print(f"{'simulate':<30}{'actions':>9}{'reference s':>13}{'new s':>9}{'speed-up':>10}")
     for name, schedule, goal in cases:
         new, timeline = cpu_seconds(lambda s=schedule: simulate(s, costs), args.runs)
         old, expected = cpu_seconds(
@@ -76,14 +76,14 @@ def main() -> None:
         assert timeline.events == expected.events
         assert sorted(map(repr, timeline.transfers)) == sorted(map(repr, expected.transfers))
         label = f"{name} K={schedule.devices} v={schedule.virtual_stages} M={schedule.microbatches}"
-        print(f"{label:<26}{len(schedule):>9}{old:>13.3f}{new:>9.3f}{old / new:>9.1f}x")
+        print(f"{label:<30}{len(schedule):>9}{old:>13.3f}{new:>9.3f}{old / new:>9.1f}x")
         key = name.replace("-", "")
         results[f"simulate_{key}_s"] = f"{new:.3f}"
         results[f"reference_simulate_{key}_s"] = f"{old:.3f}"
         met &= not goal or new <= SIMULATE_GOAL
 
     equal = Costs(forward=1, backward=1, weight=1)
-    print(f"\n{'search (auto)':<26}{'runs':>9}{'reference s':>13}{'new s':>9}{'speed-up':>10}")
+    print(f"\n{'search (auto)':<30}{'runs':>9}{'reference s':>13}{'new s':>9}{'speed-up':>10}")
     for stages, microbatches in [(32, 128), (64, 256)]:
         new, chosen = cpu_seconds(
             lambda k=stages, m=microbatches: search(k, m, costs=equal), args.runs
@@ -94,7 +94,7 @@ def main() -> None:
         )
         assert chosen == expected, "the search chose another schedule than the reference"
         label = f"K={stages} M={microbatches}"
-        print(f"{label:<26}{f'{args.runs}/{runs}':>9}{old:>13.3f}{new:>9.3f}{old / new:>9.1f}x")
+        print(f"{label:<30}{f'{args.runs}/{runs}':>9}{old:>13.3f}{new:>9.3f}{old / new:>9.1f}x")
         results[f"search_{stages}_s"] = f"{new:.3f}"
         results[f"reference_search_{stages}_s"] = f"{old:.3f}"
         met &= new <= SEARCH_GOALS[stages]

@@ -267,3 +267,30 @@ def test_search_at_a_larger_size_picks_the_references_schedule(
     for drawn in (equal, uneven):
         expected = reference.search(stages, microbatches, costs=drawn)
         assert search(stages, microbatches, costs=drawn) == expected
+
+
+def test_the_reports_and_the_demos_figures_are_the_references(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from gpipe.report import bubble, partitioning
+    from gpipe.schedule import make_schedule
+
+    # the partitioning section: a GPipe step over three cuts of measured-like layer times
+    rng = random.Random(0)
+    forward = [rng.uniform(1e-4, 3e-3) for _ in range(12)]
+    backward = [2 * f + rng.uniform(0, 1e-3) for f in forward]
+    cuts = [[3, 3, 3, 3], [2, 4, 4, 2], [1, 5, 5, 1]]
+    steps = [partitioning._simulated_step(cut, forward, backward) for cut in cuts]
+    with monkeypatch.context() as patched:
+        patched.setattr(partitioning, "simulate", reference.simulate)
+        assert [partitioning._simulated_step(cut, forward, backward) for cut in cuts] == steps
+    # the bubble section: GPipe's simulated bubble at every K and M it draws
+    for k in bubble.STAGES:
+        for m in (1, 2, 4, 8, 16, 32):
+            schedule, costs = make_schedule("gpipe", k, m), Costs(forward=4.0, backward=8.0)
+            assert simulate(schedule, costs).bubble == reference.simulate(schedule, costs).bubble
+    # the demo's prediction: each schedule it runs, on per-stage measured-like costs
+    for name, v in [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-v", 2)]:
+        schedule = make_schedule(name, 4, 8, virtual_stages=v)
+        costs = Costs(forward=forward[: 4 * v], backward=backward[: 4 * v])
+        _assert_same(simulate(schedule, costs), reference.simulate(schedule, costs), schedule)

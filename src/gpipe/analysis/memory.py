@@ -117,7 +117,7 @@ def memory_columns(
         np.cumsum(delta[a:b], out=held[a:b])
     before = np.empty_like(held)
     before[1:] = held[:-1]
-    before[[a for a, b in zip(columns.offsets, columns.offsets[1:]) if b > a]] = 0  # empty
+    before[[a for a, b in zip(columns.offsets, columns.offsets[1:]) if b > a]] = 0  # starts empty
     during = before + recomputed + received[s] + sent[s] + fresh[s]
     return np.where(forward, held, np.where(backward, during, before))
 

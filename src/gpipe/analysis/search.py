@@ -9,7 +9,8 @@ backwards. Every named schedule with the same placement joins the candidates, so
 result is never slower than the best of them that fits. Each candidate is timed by
 :func:`simulate` under the given costs; the fastest that fits wins, and among equally fast
 ones the one with the shorter span per device (faster when steps run back to back), then
-the one that holds less.
+the one that holds less. A greedy candidate that cannot beat the best so far is stopped as
+soon as that is sure (with equal costs, a few percent into building it).
 
     schedule = search(4, 8, costs=Costs(forward=1, backward=1, weight=1), memory_limit=4)
     pipe = GPipe(model, balance, devices=devices, chunks=8, schedule=schedule)
@@ -140,9 +141,9 @@ def search(
     # simulate does (the same costs, and transfers no dearer), so it stops a candidate as
     # soon as a device cannot finish by the best step so far: it could never win. Most
     # candidates stop within the first tenth of their actions.
-    hopeless = _hopeless(costs)
+    negative = _any_negative(costs)
     for build in _builders(stages, microbatches, virtual_stages, costs, limits):
-        deadline = None if best is None or hopeless else best[0][0]
+        deadline = None if best is None or negative else best[0][0]
         built = build(deadline=deadline)
         if built is not None:
             judge(built, simulate(built, costs))
@@ -157,9 +158,9 @@ def search(
     return dataclasses.replace(best[1], name="auto")
 
 
-def _hopeless(costs: Costs) -> bool:
-    """Whether a negative cost voids the builder's deadline (a device's clock plus its
-    work left is the soonest it can finish only when no work takes negative time)."""
+def _any_negative(costs: Costs) -> bool:
+    """Whether some time is negative, which voids the builder's deadline (a device's clock
+    plus its work left is the soonest it can finish only when no work takes less than 0)."""
     times = [costs.forward, costs.backward, costs.weight]
     values = [v for t in times for v in ([t] if isinstance(t, int | float) else list(t))]
     return min([*values, costs.transfer, costs.latency]) < 0
