@@ -563,14 +563,15 @@ def _run_tests(args: argparse.Namespace, report: Report, deadline: float) -> Non
     """tests/test_cuda.py under pytest; a hung test is deselected and the rest run again."""
     deselected: list[str] = []
     began = time.monotonic()
-    passed = failed = 0
+    passed: set[str] = set()  # NOTE: a rerun after a hang runs the passed tests again
+    failed: set[str] = set()
     for _ in range(3):
         left = min(_SECTION_TIMEOUT["tests"], deadline - time.monotonic())
         if left < 10:
             report.say("  SKIPPED: out of time")
-            failed += 1
+            failed.add("(out of time)")
             break
-        command = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider",
+        command = [sys.executable, "-m", "pytest", "-o", "addopts=", "-v", "-p", "no:cacheprovider",
                    "-o", f"faulthandler_timeout={max(5, int(left) - 10)}",
                    "tests/test_cuda.py", *(f"--deselect={d}" for d in deselected)]  # fmt: skip
         env = dict(os.environ)
@@ -587,10 +588,16 @@ def _run_tests(args: argparse.Namespace, report: Report, deadline: float) -> Non
                 out, _ = proc.communicate()
                 hung = True
         lines = out.splitlines()
-        passed += sum(" PASSED" in line for line in lines)
-        failed += sum(" FAILED" in line or " ERROR" in line for line in lines if "::" in line)
+        passed |= {line.split(" ")[0] for line in lines if "::" in line and " PASSED" in line}
+        failed |= {
+            line.split(" ")[0]
+            for line in lines
+            if "::" in line and (" FAILED" in line or " ERROR" in line)
+        }
         if not hung:
             report.say("    " + "\n    ".join(lines[-40:]))
+            if proc.returncode != 0 and not failed:  # pytest itself failed (not installed?)
+                failed.add(f"(pytest exit {proc.returncode})")
             break
         running = [line.split(" ")[0] for line in lines if line.startswith("tests/")]
         ended = (" PASSED", " FAILED", " SKIPPED", " ERROR")
@@ -598,12 +605,12 @@ def _run_tests(args: argparse.Namespace, report: Report, deadline: float) -> Non
         stuck = [name for name in running if name not in done]
         report.say(f"  HUNG in {stuck[-1] if stuck else '?'}; output and stacks:")
         report.say("    " + "\n    ".join(lines[-60:]))
-        failed += 1
+        failed.add(f"{stuck[-1] if stuck else '?'} (hung)")
         if not stuck:
             break
         deselected.append(stuck[-1])
-    report.results["tests_passed"] = str(passed)
-    report.results["tests_failed"] = str(failed)
+    report.results["tests_passed"] = str(len(passed))
+    report.results["tests_failed"] = str(len(failed))
     report.say(f"  ({time.monotonic() - began:.0f} s)")
 
 

@@ -123,7 +123,9 @@ class GPipe(StepSettings, nn.Module):
         optimizer: the optimizer whose state ``balance="memory"`` counts ("adam", ...).
         track_memory: count the bytes each device holds for backward, for the timeline.
             Exact (a hook on every tensor autograd saves), so it costs a few percent on
-            models made of many tiny ops; turn it off there once you have looked.
+            models made of many tiny ops; turn it off there once you have looked. On GPUs
+            each step also resets their peak memory statistics, so :attr:`cuda_memory`
+            gives the allocator's peak of the last step.
         deferred_batch_norm: replace the model's BatchNorm layers by
             :class:`~gpipe.batchnorm.DeferredBatchNorm`, whose running statistics are
             updated once per mini-batch, as in plain training, instead of once per
