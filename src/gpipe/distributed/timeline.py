@@ -37,6 +37,7 @@ def gather_timeline(
     def seconds(ns: int) -> float:
         return (ns - offset_ns) / 1e9
 
+    step.state.settle()  # NOTE: GPU actions are timed by CUDA events, read only now
     origin = seconds(step.state.origin_ns)
     mine = {
         "events": [
