@@ -65,7 +65,7 @@ def test_a_condition_on_the_batch_size_fails_loudly_for_another_batch_size() -> 
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("name", ["gpt2", "llama"])
+@pytest.mark.parametrize("name", ["gpt2", pytest.param("llama", marks=pytest.mark.slow)])
 def test_a_model_built_on_meta_and_initialized_by_its_own_init_weights_trains_as_built_normally(
     name: str,
 ) -> None:
