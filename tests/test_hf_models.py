@@ -65,7 +65,7 @@ def test_a_condition_on_the_batch_size_fails_loudly_for_another_batch_size() -> 
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("name", ["gpt2", "llama"])
+@pytest.mark.parametrize("name", ["gpt2", pytest.param("llama", marks=pytest.mark.slow)])
 def test_a_model_built_on_meta_and_initialized_by_its_own_init_weights_trains_as_built_normally(
     name: str,
 ) -> None:
@@ -157,3 +157,12 @@ def test_a_meta_built_pipe_loads_safetensors_weights_by_name_and_consolidates_st
     for result in results:
         assert result["loss"] < 1e-12 and result["grad"] < 1e-12, result
     assert results[0]["strict"] == "", results[0]["strict"]
+
+
+def test_a_balance_counts_berts_blocks_two_levels_down() -> None:
+    model = build("bert")
+    ids, _ = case("bert").inputs()
+    stages = gpipe.split(model, example_inputs=(ids,), balance=[3, 3])
+    # units: bert.embeddings, bert.encoder.layer.0 ... layer.3, cls
+    assert stages.balance == [3, 3]
+    assert torch.equal(stages(ids).logits, model(ids).logits)

@@ -1,10 +1,11 @@
 """Where the stages begin: units of the model, the submodule each graph node belongs to, and
 the cuts that split points or a balance put before them.
 
-A *unit* is what a balance counts: each top-level child of
-the model, except that a container child (``nn.ModuleList``, ``nn.Sequential``) counts
-each of its children (``h.0``, ``h.1``, ...), and a child holding a container counts its
-own children so (GPT-2's ``transformer.wte``, ..., ``transformer.h.0``, ...). A split
+A *unit* is what a balance counts: each top-level child of the model, except that a
+container child (``nn.ModuleList``, ``nn.Sequential``) counts each of its children
+(``h.0``, ``h.1``, ...), and a child holding a container at any depth counts its own units
+so (GPT-2's ``transformer.wte``, ..., ``transformer.h.0``, ...; BERT's
+``bert.embeddings``, ``bert.encoder.layer.0``, ...). A split
 point inside a unit splits that unit into its children, so a cut always falls at a unit's
 start.
 """
@@ -66,15 +67,16 @@ def units_of(model: nn.Module, split_points: Sequence[str] = ()) -> list[str]:
 
 
 def _units_under(module: nn.Module, prefix: str) -> list[str]:
-    """The units below ``module``: each child, a container's children, and the children of
-    a child that holds a container (GPT-2's ``transformer`` holding ``h``: ``transformer.wte``,
-    ..., ``transformer.h.0``, ...), as Hugging Face models nest their blocks."""
+    """The units below ``module``: each child, a container's children, and the units of a
+    child that holds a container at any depth (GPT-2's ``transformer`` holding ``h``:
+    ``transformer.wte``, ..., ``transformer.h.0``, ...; BERT's ``bert.encoder.layer.0``),
+    as Hugging Face models nest their blocks."""
     units: list[str] = []
     for name, child in module.named_children():
         path = f"{prefix}{name}"
         if isinstance(child, _CONTAINERS) and len(child) > 0:
             units += [f"{path}.{sub}" for sub, _ in child.named_children()]
-        elif any(isinstance(c, _CONTAINERS) and len(c) > 0 for c in child.children()):
+        elif any(isinstance(c, _CONTAINERS) and len(c) > 0 for c in child.modules()):
             units += _units_under(child, path + ".")
         else:
             units.append(path)
