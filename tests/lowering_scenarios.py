@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 import gpipe.distributed as gd
-import gpipe.distributed.pipe as distributed_pipe
+import gpipe.distributed.protocol as protocol
 from gpipe.distributed.posting import POSTER
 from gpipe.schedule import Action, Schedule
 from gpipe.schedule.lowering import RECV, SEND, Batch, Lowered, Op, lower
@@ -133,8 +133,8 @@ def _makes(op: Op, action: Action) -> bool:
 def naive_program(poster: str) -> dict[str, Any]:
     """GPipe with 2 virtual stages per rank, posted the naive way, bypassing the check."""
     os.environ[POSTER] = poster
-    distributed_pipe.lower = naive  # type: ignore[assignment]
-    distributed_pipe.check_lowered = lambda lowered: None  # type: ignore[assignment]
+    protocol.lower = naive  # type: ignore[assignment]
+    protocol.check_lowered = lambda lowered: None  # type: ignore[assignment]
     model, plain = mlp(), mlp()
     pipe = gd.DistributedGPipe(model, chunks=4, schedule="gpipe", virtual_stages=2, timeout=8)
     torch.manual_seed(0)

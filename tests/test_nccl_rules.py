@@ -51,7 +51,7 @@ def test_a_program_posted_without_rounds_hangs_under_nccls_rules_and_fails_in_ti
     outcomes = launch("lowering_scenarios:naive_program", 2, timeout=90, poster="nccl-rules")
     for outcome in outcomes:
         assert outcome.returncode == 1, outcome
-        assert "lost its link" in outcome.error, outcome.error
+        assert "within 8 s" in outcome.error or "lost its link" in outcome.error, outcome.error
         assert outcome.seconds < 8 + 30, outcome.seconds  # its 8 s timeout, and slack
 
 

@@ -79,6 +79,7 @@ class Executor:
             channel); returns the failure every rank will name.
         overlap: False waits for every batch to complete before the next action, to
             measure what overlapping communication with compute is worth.
+        reported: the failure some rank reported, if any (asks the fault channel).
     """
 
     def __init__(
@@ -92,6 +93,7 @@ class Executor:
         timeout: float,
         report: Callable[[Failure], Failure],
         overlap: bool = True,
+        reported: Callable[[], Failure | None] | None = None,
     ) -> None:
         self._placement = placement
         self._device = device
@@ -101,6 +103,7 @@ class Executor:
         self._control = control
         self._timeout = timeout
         self._report = report
+        self._reported = reported
         self.overlap = overlap
         self._poster: Poster = poster_for(group, timeout, self._link_failed)
         self._box = Mailbox()  # hand-offs between stages of this rank, and the caller's
@@ -372,6 +375,15 @@ class Executor:
         return PipelineFailure(self.failure, self._rank)
 
     def _link_failed(self, peer: int, error: BaseException) -> None:
+        """A link broke: name what some rank reported, if it comes within a second (the
+        rank that failed closes its links as it exits, and its report may be a moment
+        behind), else the lost link itself."""
+        for _ in range(10):
+            reported = self.failure or (self._reported() if self._reported else None)
+            if reported is not None:
+                self.fail(reported)
+                return
+            time.sleep(0.1)
         self.fail(_link_lost(self._rank, peer, error, self._timeout))
 
     def _heard(self, failure: Failure) -> None:

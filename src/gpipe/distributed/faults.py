@@ -187,9 +187,14 @@ class FaultChannel:
             try:
                 self._waiter.wait([self._wake(self._rank)], _REARM)
             except Exception as error:
-                if "timeout" not in str(error).lower():  # the store is gone
-                    return
-                continue
+                if "timeout" in str(error).lower():
+                    continue
+                # NOTE: the waiting client broke (the store's host may be gone): look
+                # with the other client now and then, until closed or a failure is heard
+                while not self._stop.wait(0.5):
+                    if self.check() is not None:
+                        return
+                return
             if self._stop.is_set() or self.check() is not None:
                 return
 

@@ -366,6 +366,7 @@ class DistributedGPipe(StepSettings, nn.Module):
             self.timeout,
             self._faults.publish,
             overlap,
+            self._faults.check,
         )
         self._last: tuple[Step, Schedule] | None = None
         self._shapes = 0  # the step's input shapes, as a number (see _begin)
