@@ -155,16 +155,28 @@ def _wait_once(works: list[Any]) -> None:
 
 
 class GlooPoster(Poster):
-    """gloo: ops posted straight; a completion thread waits them in posting order."""
+    """gloo: ops posted straight; receives and sends each waited, in posting order, by a
+    completion thread of their own.
+
+    NOTE: gloo moves every posted op on its own, so a receive need not wait for the sends
+    posted before it (as it would on NCCL's stream); one thread waiting both in posting
+    order delayed each receive by the sends before it: GPipe at K = 4, M = 16 reached 0.86
+    of the ideal step against 0.95 before.
+    """
 
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
-        self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()  # receives (or all)
+        self._sends: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._open = 0  # messages posted and not yet done
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
-        self._thread = threading.Thread(target=self._run, name="gpipe-completions", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="gpipe-receives", daemon=True)
         self._thread.start()
+        self._sending = threading.Thread(
+            target=self._run, args=(self._sends,), name="gpipe-sends", daemon=True
+        )
+        self._sending.start()
 
     def post(self, batch: list[Message]) -> None:
         group = self.group
@@ -177,7 +189,8 @@ class GlooPoster(Poster):
                 message.works = [group.recv([_wire(t)], peer, 0) for t in message.tensors]
         with self._lock:
             self._open += len(batch)
-        self._jobs.put(batch)
+        self._jobs.put([message for message in batch if not message.send])
+        self._sends.put([message for message in batch if message.send])
 
     def wait(self, message: Message) -> None:
         self.box.take(id(message), self.timeout)  # type: ignore[arg-type]
@@ -195,12 +208,14 @@ class GlooPoster(Poster):
 
     def close(self) -> None:
         self._jobs.put(None)
+        self._sends.put(None)
 
     def threads(self) -> list[threading.Thread]:
-        return [self._thread]
+        return [self._thread, self._sending]
 
-    def _run(self) -> None:
-        while (batch := self._jobs.get()) is not None:
+    def _run(self, jobs: queue.SimpleQueue[Any] | None = None) -> None:
+        jobs = self._jobs if jobs is None else jobs
+        while (batch := jobs.get()) is not None:
             failed = False
             for message in batch:
                 try:
@@ -244,7 +259,11 @@ class NcclRulesPoster(GlooPoster):
             self._open += len(batch)
         self._jobs.put(batch)
 
-    def _run(self) -> None:
+    def _run(self, jobs: queue.SimpleQueue[Any] | None = None) -> None:
+        if jobs is not None:  # NOTE: the rank's one stream carries sends too: idle till closed
+            while jobs.get() is not None:
+                pass
+            return
         group = self.group
         while (batch := self._jobs.get()) is not None:
             try:
