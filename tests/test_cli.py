@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+import gpipe
 import gpipe.schedule
 from gpipe.analysis import bubble_formula
 from gpipe.cli import build_parser, main
@@ -319,3 +320,10 @@ def test_plan_imports_a_model_factory_from_the_current_folder(
     argv = ["plan", "--model", "usermodels.build:make", "--sample-shape", "8"]
     assert main([*argv, "--stages", "2", "--schedules", "gpipe", "--no-progress"]) == 0
     assert capsys.readouterr().out.splitlines()[-1].startswith("RESULT best_schedule=gpipe")
+
+
+def test_version_prints_the_package_version(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"gpipe {gpipe.__version__}" == "gpipe 0.1.0"
