@@ -147,6 +147,7 @@ def _print(outcome: Outcome) -> None:
     for name, seconds, note in comparison_rows(s, comparison):
         ratio = seconds / comparison.plain
         print(f"  {name:<28} {seconds * 1e3:>6.0f} ms  {ratio:>5.2f}x  {note}")
+    print(f"  {comparison.verdict}")
     cores = os.cpu_count() or 1
     if cores < k:
         print(
