@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import importlib.util
 import re
+import time
 from pathlib import Path
 
 import pytest
 
 from gpipe.cli import main
+from gpipe.report.progress import progress
 from gpipe.report.turns import Load, in_turns, judge
 
 HAS_DISTRIBUTED = importlib.util.find_spec("gpipe.distributed") is not None
@@ -133,3 +135,18 @@ def test_turns_alternate_and_swap_the_order_each_round() -> None:
     a_times, b_times, load = in_turns(lambda: ran.append("a"), lambda: ran.append("b"), 3)
     assert ran == ["a", "b", "a", "b", "b", "a", "a", "b"]  # warm-up, then AB, BA, AB
     assert len(a_times) == len(b_times) == 3 and load.cores >= 1
+
+
+def test_a_silent_phase_shows_what_runs_and_for_how_long() -> None:
+    import io
+
+    stream = io.StringIO()
+    with progress("profiling each layer", quiet=0.05, every=0.1, stream=stream):
+        time.sleep(0.28)
+    lines = stream.getvalue().splitlines()
+    assert 2 <= len(lines) <= 3
+    assert all(re.fullmatch(r"   profiling each layer \.\.\. \d+ s", line) for line in lines)
+    quiet = io.StringIO()
+    with progress("a short phase", quiet=5, stream=quiet):
+        pass
+    assert quiet.getvalue() == ""
