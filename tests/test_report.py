@@ -117,10 +117,10 @@ def test_overlapping_times_cannot_tell_and_say_why() -> None:
 
 def test_a_host_busy_before_the_run_gets_no_verdict_however_clear_the_times() -> None:
     busy = Load(before=12.2, after=13.0, cores=2)
-    verdict = judge("PP", [0.2, 0.2, 0.2], "DP", [0.5, 0.5, 0.5], busy)
+    verdict = judge("PP", [0.2, 0.2, 0.2], "DP", [0.5, 0.5, 0.5], busy, unit="steps")
     assert verdict.told is None
     assert "the host was busy before the run began (load 12.2 on 2 cores)" in str(verdict)
-    assert "load 12.2 → 13.0 on 2 cores" in str(verdict)
+    assert str(verdict).endswith("medians of 3 steps, load 12.2 → 13.0 on 2 cores")
 
 
 def test_one_run_each_cannot_tell() -> None:

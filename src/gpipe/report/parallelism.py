@@ -117,7 +117,9 @@ def run(doc: Document, settings: ReportSettings) -> SectionResult:
     for n in processes:
         pp = next(r for r in rows if r[0] == n and r[1] == "PP")
         dp = next(r for r in rows if r[0] == n and r[1] == "DP")
-        verdict = judge("PP", steps_seconds[n, "pp"], "DP", steps_seconds[n, "dp"], load)
+        verdict = judge(
+            "PP", steps_seconds[n, "pp"], "DP", steps_seconds[n, "dp"], load, unit="steps"
+        )
         memory = ""
         if pp[4] is not None and dp[4] is not None:
             leaner = "PP" if pp[4] < dp[4] else "DP"

@@ -64,6 +64,7 @@ class Verdict:
         reason: why it cannot tell, or the spreads that let it tell.
         load: the host's load around the measurement.
         turns: how many times each ran.
+        unit: what one of those times is ("turns", or "steps" pooled from launches).
     """
 
     a: str
@@ -73,6 +74,7 @@ class Verdict:
     reason: str
     load: Load
     turns: int
+    unit: str = "turns"
 
     def __str__(self) -> str:
         if self.told == "slower":
@@ -81,7 +83,7 @@ class Verdict:
             said = f"{self.b} is {1 / self.ratio:.2f}x faster than {self.a}"
         else:
             said = f"this run cannot tell {self.a} from {self.b} (median ratio {self.ratio:.2f})"
-        return f"{said}: {self.reason}; medians of {self.turns} turns, {self.load}"
+        return f"{said}: {self.reason}; medians of {self.turns} {self.unit}, {self.load}"
 
     @property
     def short(self) -> str:
@@ -90,7 +92,13 @@ class Verdict:
 
 
 def judge(
-    a: str, a_times: Sequence[float], b: str, b_times: Sequence[float], load: Load
+    a: str,
+    a_times: Sequence[float],
+    b: str,
+    b_times: Sequence[float],
+    load: Load,
+    *,
+    unit: str = "turns",
 ) -> Verdict:
     """Compare B's times with A's; a verdict only when the difference exceeds the spread.
 
@@ -98,6 +106,7 @@ def judge(
         a, b: names for the two ways, as the verdict prints them.
         a_times, b_times: seconds per run of each, from turns or launches in alternation.
         load: the host's load before and after.
+        unit: what one time is, as the verdict names it.
 
     Returns:
         The verdict: "slower" or "faster" when the quartile ranges of the two do not overlap
@@ -128,7 +137,7 @@ def judge(
         told, reason = "faster", f"the middle halves of their times do not overlap ({ranges})"
     else:
         reason = f"the middle halves of their times overlap ({ranges})"
-    return Verdict(a, b, ratio, told, reason, load, turns)
+    return Verdict(a, b, ratio, told, reason, load, turns, unit)
 
 
 def in_turns(
