@@ -150,3 +150,18 @@ def test_a_silent_phase_shows_what_runs_and_for_how_long() -> None:
     with progress("a short phase", quiet=5, stream=quiet):
         pass
     assert quiet.getvalue() == ""
+
+
+def test_quick_report_counts_recomputation_in_flops_and_judges_every_timing(
+    report: tuple[Path, dict[str, str]],
+) -> None:
+    out, result = report
+    # one more forward on top of forward + backward (2 forwards' work): 4/3, on any host
+    assert float(result["remat_flops_ratio"]) == pytest.approx(4 / 3, abs=0.02)
+    text = (out / "report.md").read_text()
+    verdicts = re.findall(
+        r"(cannot tell|costs [\d.]+x|[\d.]+x faster than)[^;]*; "
+        r"medians of \d+ (?:turns|steps), load [\d.]+ → [\d.]+ on \d+ cores",
+        text,
+    )
+    assert len(verdicts) >= 3  # partitioning, re-materialization, PP against DP
