@@ -10,9 +10,12 @@ from pathlib import Path
 
 import pytest
 
+import gpipe
 import gpipe.schedule
 from gpipe.analysis import bubble_formula
 from gpipe.cli import build_parser, main
+from gpipe.cli.plan import why_this_plan
+from gpipe.planning.report import Plan, PlanReport, Rejection
 
 
 def result_fields(output: str) -> dict[str, str]:
@@ -319,3 +322,36 @@ def test_plan_imports_a_model_factory_from_the_current_folder(
     argv = ["plan", "--model", "usermodels.build:make", "--sample-shape", "8"]
     assert main([*argv, "--stages", "2", "--schedules", "gpipe", "--no-progress"]) == 0
     assert capsys.readouterr().out.splitlines()[-1].startswith("RESULT best_schedule=gpipe")
+
+
+def test_version_prints_the_package_version(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"gpipe {gpipe.__version__}" == "gpipe 0.1.0"
+
+
+def _plan(chunks: int, step_ms: float, bubble: float) -> Plan:
+    return Plan(4, chunks, "never", "gpipe", 1, [1] * 4, ["cpu"] * 4, step_ms / 1e3, bubble, [1])
+
+
+def test_plan_says_why_one_micro_batch_won_and_what_the_others_cost() -> None:
+    best, two, eight = _plan(1, 5.0, 0.75), _plan(2, 6.5, 0.6), _plan(8, 9.0, 0.27)
+    rejected = [
+        Rejection(two, "slower: +30.0%"),
+        Rejection(eight, "over the memory budget by 1 MiB on device 0"),
+        Rejection(_plan(4, 4.0, 0.4), "over the memory budget by 2 MiB on device 1"),
+    ]
+    lines = why_this_plan(PlanReport([best], rejected, 2**20))
+    assert lines[0] == (
+        "why M=1: gpipe, checkpoint never, predicted step at M=1 5.00 ms, M=2 6.50 ms, "
+        "M=4 over the budget, M=8 over the budget"
+    )
+    assert lines[1].startswith("  M=1 leaves the largest bubble (75% of the devices' time idle)")
+    assert "yet M=2 is predicted slower (6.50 ms against 5.00, bubble 60%)" in lines[1]
+
+
+def test_plan_says_when_one_micro_batch_is_all_that_fits() -> None:
+    rejected = [Rejection(_plan(2, 4.0, 0.6), "over the memory budget by 1 MiB on device 0")]
+    lines = why_this_plan(PlanReport([_plan(1, 5.0, 0.75)], rejected, 2**20))
+    assert lines[1] == "  M=1: no larger micro-batch count fits the memory budget"

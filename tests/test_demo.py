@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 
@@ -28,6 +29,9 @@ def check_outputs(out: str, folder: Path, *, stages: int) -> dict[str, str]:
         assert 0 <= float(result[name]) < 1, name
     assert float(result["plain_step"]) > 0 and float(result["pipe_step"]) > 0
     assert "ROMEO:" in out and "plain training" in out
+    # the pipe against plain training: a verdict, or why this run cannot tell
+    assert re.search(r"the pipe (costs|is) .*x|this run cannot tell plain training", out)
+    assert "turns, load " in out
     for name in ("timeline.png", "loss.png"):
         assert (folder / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
     trace = json.loads((folder / "trace.json").read_text())

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import importlib.util
 import re
+import time
 from pathlib import Path
 
 import pytest
 
 from gpipe.cli import main
+from gpipe.report.progress import progress
+from gpipe.report.turns import Load, in_turns, judge
 
 HAS_DISTRIBUTED = importlib.util.find_spec("gpipe.distributed") is not None
 
@@ -83,3 +86,82 @@ def test_report_sections_run_alone(tmp_path: Path, capsys: pytest.CaptureFixture
     assert "## 4. Gradient accumulation = full batch" in text and "## 2." not in text
     assert (tmp_path / "accumulation.png").exists()
     assert "grad_max_diff=" in capsys.readouterr().out
+
+
+QUIET = Load(before=0.5, after=0.8, cores=8)
+
+
+def test_a_difference_above_the_spread_gets_a_verdict() -> None:
+    never = [0.100, 0.102, 0.101, 0.103, 0.099]
+    always = [0.131, 0.133, 0.130, 0.135, 0.132]
+    verdict = judge("never", never, "always", always, QUIET)
+    assert verdict.told == "slower"
+    assert verdict.ratio == pytest.approx(0.132 / 0.101)
+    assert str(verdict).startswith("always costs 1.31x never's time: the middle halves")
+    assert verdict.short == "1.31x"
+    faster = judge("always", always, "never", never, QUIET)
+    assert faster.told == "faster" and str(faster).startswith("never is 1.31x faster than always")
+
+
+def test_overlapping_times_cannot_tell_and_say_why() -> None:
+    # a burst of other work made one "always" run look 3.5x faster: the quartiles overlap
+    never = [0.100, 0.140, 0.105, 0.180, 0.102]
+    always = [0.030, 0.131, 0.160, 0.133, 0.150]
+    verdict = judge("never", never, "always", always, QUIET)
+    assert verdict.told is None
+    assert str(verdict).startswith("this run cannot tell never from always (median ratio 1.27)")
+    assert "the middle halves of their times overlap (never 102.0–140.0 ms" in str(verdict)
+    assert str(verdict).endswith("medians of 5 turns, load 0.5 → 0.8 on 8 cores")
+    assert verdict.short == "1.27x?"
+
+
+def test_a_host_busy_before_the_run_gets_no_verdict_however_clear_the_times() -> None:
+    busy = Load(before=12.2, after=13.0, cores=2)
+    verdict = judge("PP", [0.2, 0.2, 0.2], "DP", [0.5, 0.5, 0.5], busy, unit="steps")
+    assert verdict.told is None
+    assert "the host was busy before the run began (load 12.2 on 2 cores)" in str(verdict)
+    assert str(verdict).endswith("medians of 3 steps, load 12.2 → 13.0 on 2 cores")
+
+
+def test_one_run_each_cannot_tell() -> None:
+    verdict = judge("plain", [0.1], "pipe", [0.5], QUIET)
+    assert verdict.told is None and "one run each" in verdict.reason
+    with pytest.raises(ValueError, match="no times to compare"):
+        judge("plain", [], "pipe", [0.5], QUIET)
+
+
+def test_turns_alternate_and_swap_the_order_each_round() -> None:
+    ran: list[str] = []
+    a_times, b_times, load = in_turns(lambda: ran.append("a"), lambda: ran.append("b"), 3)
+    assert ran == ["a", "b", "a", "b", "b", "a", "a", "b"]  # warm-up, then AB, BA, AB
+    assert len(a_times) == len(b_times) == 3 and load.cores >= 1
+
+
+def test_a_silent_phase_shows_what_runs_and_for_how_long() -> None:
+    import io
+
+    stream = io.StringIO()
+    with progress("profiling each layer", quiet=0.05, every=0.1, stream=stream):
+        time.sleep(0.28)
+    lines = stream.getvalue().splitlines()
+    assert 2 <= len(lines) <= 3
+    assert all(re.fullmatch(r"   profiling each layer \.\.\. \d+ s", line) for line in lines)
+    quiet = io.StringIO()
+    with progress("a short phase", quiet=5, stream=quiet):
+        pass
+    assert quiet.getvalue() == ""
+
+
+def test_quick_report_counts_recomputation_in_flops_and_judges_every_timing(
+    report: tuple[Path, dict[str, str]],
+) -> None:
+    out, result = report
+    # one more forward on top of forward + backward (2 forwards' work): 4/3, on any host
+    assert float(result["remat_flops_ratio"]) == pytest.approx(4 / 3, abs=0.02)
+    text = (out / "report.md").read_text()
+    verdicts = re.findall(
+        r"(cannot tell|costs [\d.]+x|[\d.]+x faster than)[^;]*; "
+        r"medians of \d+ (?:turns|steps), load [\d.]+ → [\d.]+ on \d+ cores",
+        text,
+    )
+    assert len(verdicts) >= 3  # partitioning, re-materialization, PP against DP

@@ -14,6 +14,7 @@ import os
 import sys
 from collections.abc import Sequence
 
+from gpipe import __version__
 from gpipe.cli.arguments import CommandError
 
 __all__ = ["build_parser", "main"]
@@ -68,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="gpipe",
         description="Pipeline-parallel training for PyTorch: schedules, simulator, timelines.",
     )
+    parser.add_argument("--version", action="version", version=f"gpipe {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, module_name in _COMMANDS.items():
         module = importlib.import_module(module_name)

@@ -29,7 +29,9 @@ from gpipe.units import parse_bytes
 if TYPE_CHECKING:
     from torch import nn
 
-__all__ = ["add_arguments", "run"]
+    from gpipe.planning.report import Plan, PlanReport
+
+__all__ = ["add_arguments", "run", "why_this_plan"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -142,6 +144,8 @@ def run(args: argparse.Namespace) -> int:
         raise CommandError(str(error)) from None
     best = report.best
     print(report)
+    for line in why_this_plan(report):
+        print(line)
     print(
         f"RESULT best_schedule={best.schedule} stages={best.stages} "
         f"virtual_stages={best.virtual_stages} chunks={best.chunks} "
@@ -151,6 +155,60 @@ def run(args: argparse.Namespace) -> int:
         f"candidates={len(report) + len(report.rejected)}"
     )
     return 0
+
+
+def why_this_plan(report: PlanReport) -> list[str]:
+    """Lines that say why the best plan's micro-batch count won, from the other candidates.
+
+    For the best plan's schedule and checkpoint mode, each micro-batch count M tried: its
+    predicted step (the simulator on the profiled costs), or that it was over the budget.
+    When M=1 wins, it says why: it leaves the largest bubble, so cutting the batch must
+    cost more than the bubble it fills.
+    """
+    best = report.best
+    same = (best.schedule, best.checkpoint, best.virtual_stages, best.stages, best.dp, best.zero)
+    over = {id(r.plan) for r in report.rejected if r.reason.startswith("over")}
+    by_chunks: dict[int, Plan | None] = {}
+    for candidate in [*report.plans, *(r.plan for r in report.rejected)]:
+        key = (
+            candidate.schedule,
+            candidate.checkpoint,
+            candidate.virtual_stages,
+            candidate.stages,
+            candidate.dp,
+            candidate.zero,
+        )
+        if key != same:
+            continue
+        fits = id(candidate) not in over
+        known = by_chunks.get(candidate.chunks)
+        if fits and (known is None or candidate.predicted_step < known.predicted_step):
+            by_chunks[candidate.chunks] = candidate
+        elif not fits:
+            by_chunks.setdefault(candidate.chunks, None)
+    tried = [
+        f"M={m} " + ("over the budget" if p is None else f"{p.predicted_step * 1e3:.2f} ms")
+        for m, p in sorted(by_chunks.items())
+    ]
+    lines = [
+        f"why M={best.chunks}: {best.schedule}, checkpoint {best.checkpoint}, predicted "
+        f"step at " + ", ".join(tried)
+    ]
+    larger = [p for m, p in sorted(by_chunks.items()) if m > 1 and p is not None]
+    if best.chunks == 1 and larger:
+        other = larger[0]
+        lines.append(
+            f"  M=1 leaves the largest bubble ({best.bubble:.0%} of the devices' time idle), "
+            f"yet M={other.chunks} is predicted slower ({other.predicted_step * 1e3:.2f} ms "
+            f"against {best.predicted_step * 1e3:.2f}, bubble {other.bubble:.0%}): on these "
+            "profiled costs its micro-batches together take longer than the whole batch at "
+            "once (small layers pay a fixed cost per call, and cpu stages share this host's "
+            "cores), more than the bubble they fill. A larger --batch-size or model "
+            "lets micro-batches pay off; --chunks picks them by hand."
+        )
+    elif best.chunks == 1:
+        lines.append("  M=1: no larger micro-batch count fits the memory budget")
+    return lines
 
 
 def _size(text: str) -> int:

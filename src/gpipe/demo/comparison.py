@@ -20,6 +20,7 @@ from torch import nn
 from gpipe.demo.settings import Corpus, DemoSettings
 from gpipe.demo.training import build_model, virtual_stages
 from gpipe.models import gpt_loss
+from gpipe.report.turns import Load, Verdict, host_load, judge
 
 __all__ = ["Comparison", "compare", "comparison_rows"]
 
@@ -36,6 +37,8 @@ class Comparison:
             demo ran without checkpointing or in several processes.
         pipe_measured_in_training: ``pipe`` comes from the training steps (several
             processes) rather than from rounds alternating with plain training.
+        verdict: the pipe's step times against plain training's; it says whether this
+            run can tell them apart, and why not.
     """
 
     plain: float
@@ -43,6 +46,7 @@ class Comparison:
     pipe: float
     never: float | None
     pipe_measured_in_training: bool
+    verdict: Verdict
 
 
 def compare(
@@ -74,6 +78,7 @@ def compare(
             contenders["never"] = (never, 1)
     times: dict[str, list[float]] = {name: [] for name in contenders}
     previous = torch.get_num_threads()
+    before = host_load()
     try:
         for round_ in range(rounds + 1):
             for name, (step, threads) in contenders.items():
@@ -84,16 +89,19 @@ def compare(
                     times[name].append(time.perf_counter() - began)
     finally:
         torch.set_num_threads(previous)
+    load = Load(before, host_load(), cores)
     medians = {name: statistics.median(values) for name, values in times.items()}
     plains = {n: t for n, t in medians.items() if n.startswith("plain")}
     best = min(plains, key=plains.__getitem__)
     half = training_seconds[len(training_seconds) // 2 :] or training_seconds
+    pipe_times = times["pipe"] if local else half
     return Comparison(
         plain=plains[best],
         plain_threads=int(best.removeprefix("plain")),
         pipe=medians["pipe"] if local else statistics.median(half),
         never=medians.get("never"),
         pipe_measured_in_training=not local,
+        verdict=judge("plain training", times[best], "the pipe", pipe_times, load),
     )
 
 

@@ -181,6 +181,7 @@ def _report(outcome: Outcome) -> Document:
             for name, seconds, note in comparison_rows(s, c)
         ],
     )
+    doc.paragraph(f"Measured: {c.verdict}.")
 
     doc.heading("A sample")
     doc.paragraph(f"Generated from the prompt {PROMPT!r} at temperature 0.8:")

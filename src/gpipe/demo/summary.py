@@ -22,6 +22,7 @@ from gpipe.demo.training import (
     virtual_stages,
 )
 from gpipe.models import generate
+from gpipe.report.progress import progress
 from gpipe.report.sparkline import sparkline
 from gpipe.units import format_bytes
 
@@ -44,12 +45,14 @@ def run_demo(settings: DemoSettings) -> Outcome:
     model = build_model(settings, corpus)
     check(settings, len(model))
     names = [type(layer).__name__ for layer in model]
-    parts = partition(settings, corpus, model)
     print(
         f"Shakespeare: {len(corpus.train) * 10 // 9:,} characters, {corpus.tokenizer.vocab} "
         f"distinct; the last tenth held out. Model: a character-level GPT of "
-        f"{sum(p.numel() for p in model.parameters()):,} parameters in {len(model)} layers."
+        f"{sum(p.numel() for p in model.parameters()):,} parameters in {len(model)} layers.",
+        flush=True,
     )
+    with progress("profiling each layer, to predict the pipeline before it runs"):
+        parts = partition(settings, corpus, model)
     where = (
         f"{settings.distributed} processes" if settings.distributed else "threads of this process"
     )
@@ -64,16 +67,24 @@ def run_demo(settings: DemoSettings) -> Outcome:
     run = train(settings, corpus, list(parts.balance))
     model.load_state_dict(run.state)
     end_loss = validation_loss(model, corpus)
-    sample = corpus.tokenizer.decode(
-        generate(
-            model,
-            corpus.tokenizer.encode(PROMPT),
-            SAMPLE_LENGTH,
-            context=corpus.config.context,
-            generator=torch.Generator().manual_seed(settings.seed),
-        )
-    )
-    comparison = compare(settings, corpus, list(parts.balance), run.state, run.seconds)
+    # NOTE: one thread: a token at a time is too small to share, and after training in
+    # several processes more threads than free cores made sampling 8-13x slower.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with progress(f"generating a {SAMPLE_LENGTH}-character sample"):
+            tokens = generate(
+                model,
+                corpus.tokenizer.encode(PROMPT),
+                SAMPLE_LENGTH,
+                context=corpus.config.context,
+                generator=torch.Generator().manual_seed(settings.seed),
+            )
+    finally:
+        torch.set_num_threads(threads)
+    sample = corpus.tokenizer.decode(tokens)
+    with progress("timing plain training beside the pipe"):
+        comparison = compare(settings, corpus, list(parts.balance), run.state, run.seconds)
     outcome = Outcome(
         settings=settings,
         run=run,
@@ -147,6 +158,7 @@ def _print(outcome: Outcome) -> None:
     for name, seconds, note in comparison_rows(s, comparison):
         ratio = seconds / comparison.plain
         print(f"  {name:<28} {seconds * 1e3:>6.0f} ms  {ratio:>5.2f}x  {note}")
+    print(f"  {comparison.verdict}")
     cores = os.cpu_count() or 1
     if cores < k:
         print(

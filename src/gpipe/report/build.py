@@ -20,6 +20,7 @@ from gpipe.report import (
     schedules,
 )
 from gpipe.report.markdown import Document
+from gpipe.report.progress import progress
 from gpipe.report.settings import ReportSettings, SectionResult
 
 __all__ = ["SECTIONS", "write_report"]
@@ -80,7 +81,8 @@ def write_report(
         title, section = SECTIONS[number]
         log(f"{number}. {title} ...")
         started = time.perf_counter()
-        result = section(body, settings)
+        with progress(f"measuring section {number}"):
+            result = section(body, settings)
         result.seconds = time.perf_counter() - started
         log(f"   {result.headline} ({result.seconds:.0f} s)")
         results.append(result)

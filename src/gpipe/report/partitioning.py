@@ -19,6 +19,7 @@ from gpipe.report.figures import COLORS, new_figure, save
 from gpipe.report.markdown import Document
 from gpipe.report.measure import layer_times
 from gpipe.report.settings import ReportSettings, SectionResult
+from gpipe.report.turns import Load, host_load, judge
 from gpipe.schedule import make_schedule
 from gpipe.units import format_bytes
 
@@ -106,6 +107,7 @@ def run(doc: Document, settings: ReportSettings) -> SectionResult:
     times: dict[str, list[float]] = {name: [] for name in pipes}
     timelines: dict[str, list[Timeline]] = {name: [] for name in pipes}
     # NOTE: one step of each per round, so a change in the machine's load hits all three.
+    load_before = host_load()
     for round_ in range(steps + 1):
         for name, pipe in pipes.items():
             began = time.perf_counter()
@@ -114,6 +116,7 @@ def run(doc: Document, settings: ReportSettings) -> SectionResult:
             if round_:
                 times[name].append(time.perf_counter() - began)
                 timelines[name].append(pipe.timeline)
+    load = Load(load_before, host_load(), os.cpu_count() or 1)
     step = {name: statistics.median(values) for name, values in times.items()}
     busy = {
         name: [statistics.median(t.busy[d] for t in tls) for d in range(STAGES)]
@@ -167,12 +170,19 @@ def run(doc: Document, settings: ReportSettings) -> SectionResult:
             for name in balances
         ],
     )
-    fastest = min(step, key=step.__getitem__)
+    fastest, runner_up = sorted(step, key=step.__getitem__)[:2]
+    verdict = judge(runner_up, times[runner_up], fastest, times[fastest], load)
+    measured = (
+        f"Fastest step: {fastest} ({verdict})"
+        if verdict.told
+        else f"Fastest step: {verdict}, so this run names none"
+    )
     same = sorted(step, key=step.__getitem__) == sorted(simulated, key=simulated.__getitem__)
     agree = "as the runtime did," if same else "otherwise than the runtime did here,"
     leanest = min(memory, key=lambda n: max(memory[n]))
     doc.paragraph(
-        f"Fastest step: {fastest}; smallest fullest stage: {leanest}. Balancing by time "
+        f"{measured}. Smallest fullest stage (counted bytes, whatever the load): "
+        f"{leanest}. Balancing by time "
         "evens out the bars on the left and so the step; balancing by memory evens out "
         "the bars on the right, which decides whether the model fits at all. "
         f"Median of {steps} steps each, taken in alternation. The simulated step is the "
