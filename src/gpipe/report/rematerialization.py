@@ -163,7 +163,7 @@ def run(doc: Document, settings: ReportSettings) -> SectionResult:
     if len(told) == len(rows):
         timed = (
             f"Measured, recomputing costs {min(ratios):.2f}-{max(ratios):.2f}x the step time, "
-            f"each K's never and always in {steps} turns. "
+            f"each K's never and always in {steps} turns; at K={rows[0][0]}, {rows[0][4]}. "
         )
     else:
         k_unsure, unsure = next((r[0], r[4]) for r in rows if not r[4].told)
