@@ -28,12 +28,14 @@ def test_every_schedule_trains_step_after_step_as_plain_training_as_shapes_chang
             assert len(worst) == 5 and max(worst) < 1e-12, (poster, rank, schedule, worst)
 
 
+@pytest.mark.slow
 def test_four_ranks_under_nccls_rules_train_every_schedule_as_plain_training() -> None:
     results = check(launch("lowering_scenarios:steps", 4, schedules=SCHEDULES, poster="nccl-rules"))
     for result in results:
         assert all(max(worst) < 1e-12 for worst in result.values()), result
 
 
+@pytest.mark.slow
 def test_messages_of_32_mib_cross_under_nccls_rules() -> None:
     results = check(
         launch(
