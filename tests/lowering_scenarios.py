@@ -38,7 +38,7 @@ def mlp(layers: int = 8) -> nn.Sequential:
 
 
 def _diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.detach().double() - b.detach().double()).abs().max())
+    return float((a.detach().double().cpu() - b.detach().double().cpu()).abs().max())
 
 
 def _step_against_plain(

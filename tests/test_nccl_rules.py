@@ -9,6 +9,7 @@ would hang on NCCL.
 from __future__ import annotations
 
 import pytest
+import torch
 
 from ranks import check, launch
 
@@ -103,3 +104,33 @@ def test_random_custom_schedules_the_validator_accepts_run_under_nccls_rules(wor
     csvs = _custom_schedules(world, 4, seed=world)
     for worst in check(launch("lowering_scenarios:custom", world, csvs=csvs)):
         assert len(worst) == 3 * len(csvs) and max(worst) < 1e-12, worst
+
+
+two_gpus = pytest.mark.skipif(
+    torch.cuda.device_count() < 2,
+    reason="needs two CUDA GPUs (one per rank, NCCL)",
+)
+
+
+@two_gpus
+def test_on_two_gpus_nccl_trains_every_schedule_step_after_step_as_plain_training() -> None:
+    # gd.init() takes NCCL and cuda:LOCAL_RANK when CUDA is present: the posts are real
+    # batch_isend_irecv groups on each rank's GPU
+    results = check(launch("lowering_scenarios:steps", 2, schedules=SCHEDULES, poster="gloo"))
+    for result in results:
+        assert all(max(worst) < 1e-12 for worst in result.values()), result
+
+
+@two_gpus
+def test_on_two_gpus_nccl_carries_large_activations_for_three_steps() -> None:
+    results = check(
+        launch("lowering_scenarios:large", 2, timeout=180, schedule="1f1b", poster="gloo", mib=32)
+    )
+    for worst in results:
+        assert max(worst) < 1e-4, worst
+
+
+@two_gpus
+def test_on_two_gpus_a_new_pipe_after_a_failed_step_trains_as_plain_training() -> None:
+    results = check(launch("dist_scenarios:new_pipe_after_failure", 2, timeout=90))
+    assert len(results) == 2
