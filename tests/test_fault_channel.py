@@ -37,7 +37,8 @@ def test_an_idle_channel_sends_one_blocking_wait_and_nothing_more() -> None:
     assert store.calls == {"wait": 1}
     started = time.monotonic()
     channel.close()
-    assert time.monotonic() - started < 0.5
+    # a hang check (usually milliseconds): a watcher nothing wakes would wait out its hour
+    assert time.monotonic() - started < 5
 
 
 def test_a_published_failure_wakes_every_ranks_watcher_naming_the_rank() -> None:
@@ -54,10 +55,8 @@ def test_a_published_failure_wakes_every_ranks_watcher_naming_the_rank() -> None
         return on_failure
 
     channels = [FaultChannel(store, "p", r, listener(r), world=3) for r in range(3)]
-    started = time.monotonic()
     first = channels[2].publish(Failure(2, "ValueError: boom", stage=1, microbatch=0))
-    assert done.wait(5), heard
-    assert time.monotonic() - started < 1.0
+    assert done.wait(10), heard  # usually milliseconds; unwoken, the watchers wait an hour
     assert sorted(rank for rank, _ in heard) == [0, 1, 2]
     assert all(failure == first and failure.rank == 2 for _, failure in heard)
     # a second report loses: every rank names the first cause
