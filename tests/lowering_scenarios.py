@@ -11,11 +11,10 @@ from torch import nn
 
 import gpipe.distributed as gd
 import gpipe.distributed.protocol as protocol
+from dist_scenarios import WIDTH, _diff, mlp
 from gpipe.distributed.posting import POSTER
 from gpipe.schedule import Action, Schedule
 from gpipe.schedule.lowering import RECV, SEND, Batch, Lowered, Op, lower
-
-WIDTH = 6
 
 
 class Scale(nn.Module):
@@ -27,18 +26,6 @@ class Scale(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.tanh(x * self.weight)
-
-
-def mlp(layers: int = 8) -> nn.Sequential:
-    torch.manual_seed(0)
-    blocks: list[nn.Module] = []
-    for _ in range(layers):
-        blocks += [nn.Linear(WIDTH, WIDTH), nn.Tanh()]
-    return nn.Sequential(*blocks).double()
-
-
-def _diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.detach().double().cpu() - b.detach().double().cpu()).abs().max())
 
 
 def _step_against_plain(
@@ -154,7 +141,7 @@ def init_fn_raises(rank: int) -> None:
         if isinstance(module, nn.Linear):
             module.reset_parameters()
 
-    gd.DistributedGPipe(model, chunks=2, init_fn=init_fn, timeout=60)
+    gd.DistributedGPipe(model, chunks=2, init_fn=init_fn, timeout=300)
 
 
 def custom(csvs: list[str]) -> list[float]:

@@ -34,7 +34,7 @@ from gpipe.distributed.posting import Message, Poster, poster_for
 from gpipe.distributed.wire import Signature, decode, encode, flatten, rebuild, receive_buffers
 from gpipe.runtime.mailbox import Mailbox
 from gpipe.runtime.step import unplaced
-from gpipe.runtime.transport import ACTIVATION, Aborted, Tag
+from gpipe.runtime.transport import Aborted, Tag, sending_stage
 from gpipe.schedule import Action
 from gpipe.schedule.lowering import SEND, Batch
 
@@ -155,7 +155,7 @@ class Executor:
             PipelineFailure: a rank failed or vanished, or nothing came within the timeout.
         """
         try:
-            if self._device_of(_sender_stage(tag)) == self._device:
+            if self._device_of(sending_stage(tag)) == self._device:
                 return self._box.take(tag, self._timeout)
             self._advance()
             receipt = self._receipts.pop(tag)
@@ -163,7 +163,7 @@ class Executor:
         except Aborted:
             raise self._raised() from None
         except TimeoutError:
-            sender = self._ranks[self._device_of(_sender_stage(tag))]
+            sender = self._ranks[self._device_of(sending_stage(tag))]
             self.fail(
                 Failure(
                     sender,
@@ -403,12 +403,6 @@ class Executor:
 
 _AT_ONCE = datetime.timedelta(milliseconds=1)
 _CLOSE_TAG = 3  # never sent: a receive on it times out, closing its link (see release)
-
-
-def _sender_stage(tag: Tag) -> int:
-    if len(tag) == 4:
-        return tag[3]
-    return tag[1] - 1 if tag[0] == ACTIVATION else tag[1] + 1
 
 
 def _changed(tag: Tag, expected: Signature | None, got: Signature) -> str:

@@ -9,6 +9,7 @@ once per schedule.
 
 from __future__ import annotations
 
+import functools
 import zlib
 from typing import Any
 
@@ -35,19 +36,16 @@ def shapes_code(microbatches: list[Any]) -> int:
     return zlib.crc32(repr(described).encode())
 
 
-_NAMED: dict[int, tuple[Schedule, str]] = {}
-
-
 def settings_code(schedule: str | Schedule, checkpoint: str, chunks: int) -> int:
     """A number standing for the settings every rank's step must share."""
-    if isinstance(schedule, str):
-        named = schedule
-    else:  # NOTE: a long text: made once per Schedule object
-        seen = _NAMED.get(id(schedule))
-        if seen is None or seen[0] is not schedule:
-            seen = _NAMED[id(schedule)] = (schedule, repr(schedule.actions))
-        named = seen[1]
+    named = schedule if isinstance(schedule, str) else _described(schedule)
     return zlib.crc32(f"{named}|{checkpoint}|{chunks}".encode())
+
+
+@functools.lru_cache(maxsize=4)
+def _described(schedule: Schedule) -> str:
+    """A custom schedule as text (long: made once per schedule, not per step)."""
+    return repr(schedule.actions)
 
 
 class Programs:
