@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
 from gpipe.schedule.action import BACKWARD, FORWARD, Action
+from gpipe.schedule.communication import ACTIVATION, GRADIENT, RECV, SEND
 from gpipe.schedule.steps import run_in_steps
 
 if TYPE_CHECKING:
@@ -41,13 +42,8 @@ if TYPE_CHECKING:
 
 __all__ = ["Batch", "Flow", "Lowered", "Op", "Stuck", "lower", "replay"]
 
-# The runtime transport's words and tags: (kind, receiving stage, micro-batch), and in a
-# dataflow (kind, receiving stage, micro-batch, sending stage).
-ACTIVATION = "act"
-GRADIENT = "grad"
-SEND = "send"
-RECV = "recv"
-
+# The runtime transport's tags: (kind, receiving stage, micro-batch), and in a dataflow
+# (kind, receiving stage, micro-batch, sending stage).
 Tag = tuple[str, int, int] | tuple[str, int, int, int]
 
 
