@@ -154,6 +154,17 @@ class Routing(TorchDispatchMode):
             self._private[device] = generator
         return generator
 
+    @staticmethod
+    def warm_up() -> None:
+        """Enter a routing mode once, so its one-time cost is paid now, not in a step.
+
+        NOTE: the first dispatch mode a process enters imports torch._dynamo (about 800
+        modules, 1-8 s on a loaded machine), which otherwise lands in the first forward of
+        the first step and stretches it on every timeline.
+        """
+        with Routing(0).active():
+            torch.empty(0)
+
     @contextmanager
     def active(self) -> Iterator[Routing]:
         """Route the body's random ops (on this thread only)."""

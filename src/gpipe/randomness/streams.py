@@ -69,6 +69,8 @@ class Streams:
     def __init__(self, devices: dict[int, torch.device]) -> None:
         listed = list(devices.values())
         self._generators = {i: WorkerGenerators.of(d, listed) for i, d in devices.items()}
+        if not all(g.owns_every_generator() for g in self._generators.values()):
+            Routing.warm_up()  # the probes will route: pay the mode's first entry here
         self._kinds: dict[tuple[LayerKey, bool], str] = {}
         self._suspects: set[tuple[LayerKey, bool]] = set()  # seen bypassing routing once
         # Routed layers still being timed, routed and held, to settle which is cheaper: the
