@@ -11,7 +11,7 @@ import pytest
 
 from gpipe.cli import main
 from gpipe.report.progress import progress
-from gpipe.report.turns import Load, in_turns, judge
+from gpipe.report.turns import CpuTimes, Load, in_turns, judge
 
 HAS_DISTRIBUTED = importlib.util.find_spec("gpipe.distributed") is not None
 
@@ -121,6 +121,30 @@ def test_a_host_busy_before_the_run_gets_no_verdict_however_clear_the_times() ->
     assert verdict.told is None
     assert "the host was busy before the run began (load 12.2 on 2 cores)" in str(verdict)
     assert str(verdict).endswith("medians of 3 steps, load 12.2 → 13.0 on 2 cores")
+
+
+def test_a_load_of_our_own_making_does_not_stop_a_verdict() -> None:
+    # the demo trained a minute before its turns: the load average counts that training,
+    # but during the turns other processes took a tenth of a core
+    own = Load(before=3.1, after=2.4, cores=2, others=0.1)
+    verdict = judge("plain", [0.10, 0.10, 0.11], "pipe", [0.20, 0.21, 0.20], own)
+    assert verdict.told == "slower"
+    assert str(verdict).endswith("load 3.1 → 2.4 on 2 cores, other processes 0.1 cores")
+    crowded = Load(before=0.2, after=0.3, cores=2, others=1.4)
+    verdict = judge("plain", [0.10, 0.10, 0.11], "pipe", [0.20, 0.21, 0.20], crowded)
+    assert verdict.told is None
+    assert "other processes kept 1.4 of the 2 cores busy while it ran" in verdict.reason
+
+
+def test_other_processes_cpu_is_the_hosts_less_our_own_over_the_wall_time() -> None:
+    # over 2 s the host's CPUs were busy 3.0 s in all, 2.6 s of them this process's threads
+    before = CpuTimes(host=1000.0, own=50.0, wall=10.0)
+    after = CpuTimes(host=1003.0, own=52.6, wall=12.0)
+    assert after.others_since(before) == pytest.approx(0.2)
+    # tick rounding can leave our own time above the host's: never below no one
+    assert CpuTimes(1001.0, 52.0, 12.0).others_since(before) == 0.0
+    assert CpuTimes(None, 52.0, 12.0).others_since(before) is None
+    assert CpuTimes(1003.0, 52.0, 10.0).others_since(before) is None  # no time passed
 
 
 def test_one_run_each_cannot_tell() -> None:

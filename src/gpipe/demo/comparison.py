@@ -20,7 +20,7 @@ from torch import nn
 from gpipe.demo.settings import Corpus, DemoSettings
 from gpipe.demo.training import build_model, virtual_stages
 from gpipe.models import gpt_loss
-from gpipe.report.turns import Load, Verdict, host_load, judge
+from gpipe.report.turns import LoadMeter, Verdict, judge
 
 __all__ = ["Comparison", "compare", "comparison_rows"]
 
@@ -78,7 +78,7 @@ def compare(
             contenders["never"] = (never, 1)
     times: dict[str, list[float]] = {name: [] for name in contenders}
     previous = torch.get_num_threads()
-    before = host_load()
+    meter = LoadMeter()
     try:
         for round_ in range(rounds + 1):
             for name, (step, threads) in contenders.items():
@@ -89,7 +89,7 @@ def compare(
                     times[name].append(time.perf_counter() - began)
     finally:
         torch.set_num_threads(previous)
-    load = Load(before, host_load(), cores)
+    load = meter.stop()
     medians = {name: statistics.median(values) for name, values in times.items()}
     plains = {n: t for n, t in medians.items() if n.startswith("plain")}
     best = min(plains, key=plains.__getitem__)

@@ -19,7 +19,7 @@ from gpipe.report.figures import COLORS, new_figure, save
 from gpipe.report.markdown import Document
 from gpipe.report.measure import layer_times
 from gpipe.report.settings import ReportSettings, SectionResult
-from gpipe.report.turns import Load, host_load, judge
+from gpipe.report.turns import LoadMeter, judge
 from gpipe.schedule import make_schedule
 from gpipe.units import format_bytes
 
@@ -107,7 +107,7 @@ def run(doc: Document, settings: ReportSettings) -> SectionResult:
     times: dict[str, list[float]] = {name: [] for name in pipes}
     timelines: dict[str, list[Timeline]] = {name: [] for name in pipes}
     # NOTE: one step of each per round, so a change in the machine's load hits all three.
-    load_before = host_load()
+    meter = LoadMeter()
     for round_ in range(steps + 1):
         for name, pipe in pipes.items():
             began = time.perf_counter()
@@ -116,7 +116,7 @@ def run(doc: Document, settings: ReportSettings) -> SectionResult:
             if round_:
                 times[name].append(time.perf_counter() - began)
                 timelines[name].append(pipe.timeline)
-    load = Load(load_before, host_load(), os.cpu_count() or 1)
+    load = meter.stop()
     step = {name: statistics.median(values) for name, values in times.items()}
     busy = {
         name: [statistics.median(t.busy[d] for t in tls) for d in range(STAGES)]

@@ -3,14 +3,12 @@ simulated beyond it."""
 
 from __future__ import annotations
 
-import os
-
 from gpipe.analysis import Costs, simulate
 from gpipe.report.figures import new_figure, save
 from gpipe.report.latency import sleep_pipeline
 from gpipe.report.markdown import Document
 from gpipe.report.settings import ReportSettings, SectionResult
-from gpipe.report.turns import Load, host_load, spread
+from gpipe.report.turns import LoadMeter, spread
 from gpipe.schedule import make_schedule
 
 __all__ = ["TITLE", "run"]
@@ -38,7 +36,7 @@ def run(doc: Document, settings: ReportSettings) -> SectionResult:
     steps = 2 if settings.quick else 5
     measured = {}
     overheads = []
-    load_before = host_load()
+    meter = LoadMeter()
     for k in measured_stages:
         for m in measured_counts:
             step = sleep_pipeline(k, m, forward_ms, backward_ms, steps=steps)
@@ -49,7 +47,7 @@ def run(doc: Document, settings: ReportSettings) -> SectionResult:
             scheduled = (m + k - 1) * (forward_ms + backward_ms) / 1e3
             overheads.append(max(0.0, step.seconds - scheduled) / (2 * (m + k - 1)))
     overhead_low, overhead_ms, overhead_high = (o * 1e3 for o in spread(overheads))
-    load = Load(load_before, host_load(), os.cpu_count() or 1)
+    load = meter.stop()
     costs = Costs(forward=forward_ms + overhead_ms, backward=backward_ms + overhead_ms)
 
     simulated = {}
