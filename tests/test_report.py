@@ -42,6 +42,7 @@ def test_quick_report_writes_every_picture_and_section(report: tuple[Path, dict[
             "Re-materialization",
             "Pipeline vs data parallel",
             "Efficiency at scale",
+            "The paper, reproduced",
         ],
         start=1,
     ):
@@ -54,6 +55,7 @@ def test_quick_report_writes_every_picture_and_section(report: tuple[Path, dict[
         "accumulation.png",
         "rematerialization.png",
         "scale.png",
+        "paper.png",
     }
     expected |= {"parallelism.png"} if HAS_DISTRIBUTED else set()
     assert set(pictures) == expected
@@ -73,11 +75,14 @@ def test_quick_report_measures_sensible_values(report: tuple[Path, dict[str, str
     assert float(result["bubble_zbh1"]) < float(result["bubble_gpipe"])
     assert float(result["remat_saving_k1"]) > 3  # checkpointing holds far less
     assert 0 < float(result["efficiency_k8m16"]) < 1
+    # 128 devices of 16 GiB hold a Transformer-L hundreds of times larger than one plain
+    assert float(result["largest_k128_params"]) > 100 * float(result["naive_params"])
+    assert 1 < float(result["speedup_k8m32"]) < 8
 
 
 def test_report_refuses_an_unknown_section(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["report", "--sections", "2,9"]) == 2
-    assert "no section 9: choose from 1-7, e.g. --sections 2,3" in capsys.readouterr().err
+    assert "no section 9: choose from 1-8, e.g. --sections 2,3" in capsys.readouterr().err
 
 
 def test_report_sections_run_alone(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

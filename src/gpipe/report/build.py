@@ -13,6 +13,7 @@ from pathlib import Path
 from gpipe.report import (
     accumulation,
     bubble,
+    paper,
     parallelism,
     partitioning,
     rematerialization,
@@ -35,6 +36,7 @@ SECTIONS: dict[int, tuple[str, Section]] = {
     5: (rematerialization.TITLE, rematerialization.run),
     6: (parallelism.TITLE, parallelism.run),
     7: (scale.TITLE, scale.run),
+    8: (paper.TITLE, paper.run),
 }
 
 PREFACE = """\

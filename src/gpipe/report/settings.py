@@ -15,12 +15,12 @@ class ReportSettings:
     Attributes:
         out: the folder for ``report.md`` and its pictures.
         quick: fewer points and repeats (under two minutes on 2 cores), same sections.
-        sections: which sections to run, by number (1-7); all by default.
+        sections: which sections to run, by number (1-8); all by default.
     """
 
     out: Path = Path("report-out")
     quick: bool = False
-    sections: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7)
+    sections: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8)
 
 
 @dataclass
