@@ -13,8 +13,7 @@ per-device budget, the most transformer blocks that fit: the GPipe paper's Table
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,7 +72,7 @@ def meta_profile(
     value = sample
     with (
         torch.enable_grad(),
-        _flash_attention_on_meta(),
+        _FlashOnMeta(),
         torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
     ):
         for layer in layers:
@@ -121,6 +120,8 @@ def _root(tensor: torch.Tensor) -> torch.Tensor:
 
 
 class _FlashOnMeta(TorchFunctionMode):
+    """Meta tensors take the attention kernel a CPU or GPU would (see meta_profile)."""
+
     def __torch_function__(
         self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None
     ) -> Any:
@@ -135,12 +136,6 @@ class _FlashOnMeta(TorchFunctionMode):
             flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
             return flash(q, k, v, 0.0, kwargs.get("is_causal", False), scale=kwargs.get("scale"))[0]
         return func(*args, **kwargs)
-
-
-@contextmanager
-def _flash_attention_on_meta() -> Iterator[None]:
-    with _FlashOnMeta():
-        yield
 
 
 def device_peaks(
