@@ -8,18 +8,14 @@ import torch
 from gpipe.balance import profile
 from gpipe.models import GPTConfig, gpt, gpt_loss
 from gpipe.report.model_size import (
+    check_memory,
     largest_model,
     meta_profile,
     repeat_blocks,
     transformer_profile,
 )
-from gpipe.report.paper import (
-    PAPER_MODEL,
-    check_memory,
-    formula,
-    measure_speedups,
-    simulated_speedup,
-)
+from gpipe.report.paper import PAPER_MODEL
+from gpipe.report.speedup import formula, measure_speedups, simulated_speedup
 
 SMALL = GPTConfig(vocab=64, context=32, layers=2, heads=4, width=64, dropout=0.0)
 GIB = 2**30

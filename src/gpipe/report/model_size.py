@@ -8,11 +8,13 @@ device's peak exactly as the planner does: its parameters, gradients and optimiz
 plus the activations it holds at its worst moment, walked through the schedule's actions by
 :func:`gpipe.analysis.activation_peaks`. :func:`largest_model` finds, for K devices under a
 per-device budget, the most transformer blocks that fit: the GPipe paper's Table 1.
+:func:`check_memory` holds the prediction against a small model trained on CPU.
 """
 
 from __future__ import annotations
 
 import itertools
+import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -26,10 +28,14 @@ from gpipe.analysis import activation_peaks
 from gpipe.balance import Profile
 from gpipe.balance.profiler import optimizer_state_factor
 from gpipe.models import GPTConfig, gpt, gpt_loss
+from gpipe.pipe import GPipe
+from gpipe.report.measure import PeakMemory
 from gpipe.schedule import make_schedule
 
 __all__ = [
     "Fit",
+    "MemoryCheck",
+    "check_memory",
     "device_peaks",
     "largest_model",
     "meta_profile",
@@ -302,3 +308,56 @@ def _balance(shares: list[int]) -> list[int]:
     balance[0] += 1
     balance[-1] += 2
     return balance
+
+
+@dataclass(frozen=True)
+class MemoryCheck:
+    """One small model: the memory model's prediction against what really happened.
+
+    Attributes:
+        devices, checkpoint: the pipe.
+        predicted: per device, activation bytes at the peak, from the meta-built model.
+        counted: per device, the runtime's count of the same (saved-tensor hooks).
+        rss: resident memory the step added at its peak, median of three steps.
+        expected: what the model says the step adds: every device's peak activations
+            (held at once in one process) and the gradients.
+    """
+
+    devices: int
+    checkpoint: str
+    predicted: list[int]
+    counted: list[int]
+    rss: int | None
+    expected: int
+
+
+def check_memory(
+    devices: int, checkpoint: str, *, context: int = 128, batch: int = 32
+) -> MemoryCheck:
+    """Predict a small GPT's memory on meta, then train it on CPU and measure."""
+    config = GPTConfig(vocab=256, context=context, layers=4, heads=4, width=256, dropout=0.0)
+    chunks = 4
+    torch.manual_seed(0)
+    model = gpt(config)
+    ids = torch.randint(0, config.vocab, (batch, config.context))
+    with torch.device("meta"):
+        shadow = gpt(config)
+    rows = ids[: batch // chunks].to("meta")
+    profile = meta_profile(shadow, rows, target=rows, loss_fn=gpt_loss)
+    balance = [len(model)] if devices == 1 else [4, len(model) - 4]
+    _, predicted = device_peaks(profile, balance, chunks, checkpoint)
+    pipe = GPipe(model, balance, devices=["cpu"] * devices, chunks=chunks, checkpoint=checkpoint)
+    pipe.train_step(ids, ids, gpt_loss)  # warm-up: threads, probes, the allocator
+    counted = [int(c) for c in pipe.timeline.peak_memory]
+    grown = []
+    for _ in range(3):
+        for p in model.parameters():
+            p.grad = None
+        memory = PeakMemory()
+        memory.start()
+        pipe.train_step(ids, ids, gpt_loss)
+        grown.append(memory.peak())
+    pipe.close()
+    gradients = sum(p.numel() * p.element_size() for p in model.parameters())
+    rss = None if None in grown else int(statistics.median(g for g in grown if g is not None))
+    return MemoryCheck(devices, checkpoint, predicted, counted, rss, sum(predicted) + gradients)

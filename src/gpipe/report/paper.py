@@ -8,39 +8,21 @@ beside the formula K / (1 + (K - 1) / M).
 
 from __future__ import annotations
 
-import statistics
-from dataclasses import dataclass
-
-import torch
-
-from gpipe.analysis import Costs, simulate
-from gpipe.models import GPTConfig, gpt, gpt_loss
-from gpipe.pipe import GPipe
+from gpipe.models import GPTConfig
 from gpipe.report.figures import COLORS, new_figure, save
-from gpipe.report.latency import sleep_pipeline
 from gpipe.report.markdown import Document
-from gpipe.report.measure import PeakMemory
 from gpipe.report.model_size import (
     Fit,
-    device_peaks,
+    MemoryCheck,
+    check_memory,
     largest_model,
-    meta_profile,
     transformer_profile,
 )
 from gpipe.report.settings import ReportSettings, SectionResult
-from gpipe.schedule import make_schedule
+from gpipe.report.speedup import formula, measure_speedups, simulated_speedup
 from gpipe.units import format_bytes
 
-__all__ = [
-    "PAPER_SPEEDUPS",
-    "TITLE",
-    "MemoryCheck",
-    "check_memory",
-    "formula",
-    "measure_speedups",
-    "run",
-    "simulated_speedup",
-]
+__all__ = ["PAPER_SPEEDUPS", "TITLE", "run"]
 
 TITLE = "The paper, reproduced"
 GIB = 2**30
@@ -84,111 +66,6 @@ and with M micro-batches it trains about K / (1 + (K - 1)/M) times faster (its T
 where more micro-batches shrink the bubble). Both are worked out here with gpipe's own
 parts. The paper's figures are quoted from the paper for reference; ours come from a
 different machine and setup, and the text says where they differ and why."""
-
-
-@dataclass(frozen=True)
-class MemoryCheck:
-    """One small model: the memory model's prediction against what really happened.
-
-    Attributes:
-        devices, checkpoint: the pipe.
-        predicted: per device, activation bytes at the peak, from the meta-built model.
-        counted: per device, the runtime's count of the same (saved-tensor hooks).
-        rss: resident memory the step added at its peak, median of three steps.
-        expected: what the model says the step adds: every device's peak activations
-            (held at once in one process) and the gradients.
-    """
-
-    devices: int
-    checkpoint: str
-    predicted: list[int]
-    counted: list[int]
-    rss: int | None
-    expected: int
-
-
-def check_memory(
-    devices: int, checkpoint: str, *, context: int = 128, batch: int = 32
-) -> MemoryCheck:
-    """Predict a small GPT's memory on meta, then train it on CPU and measure."""
-    config = GPTConfig(vocab=256, context=context, layers=4, heads=4, width=256, dropout=0.0)
-    chunks = 4
-    torch.manual_seed(0)
-    model = gpt(config)
-    ids = torch.randint(0, config.vocab, (batch, config.context))
-    with torch.device("meta"):
-        shadow = gpt(config)
-    rows = ids[: batch // chunks].to("meta")
-    profile = meta_profile(shadow, rows, target=rows, loss_fn=gpt_loss)
-    balance = [len(model)] if devices == 1 else [4, len(model) - 4]
-    _, predicted = device_peaks(profile, balance, chunks, checkpoint)
-    pipe = GPipe(model, balance, devices=["cpu"] * devices, chunks=chunks, checkpoint=checkpoint)
-    pipe.train_step(ids, ids, gpt_loss)  # warm-up: threads, probes, the allocator
-    counted = [int(c) for c in pipe.timeline.peak_memory]
-    grown = []
-    for _ in range(3):
-        for p in model.parameters():
-            p.grad = None
-        memory = PeakMemory()
-        memory.start()
-        pipe.train_step(ids, ids, gpt_loss)
-        grown.append(memory.peak())
-    pipe.close()
-    gradients = sum(p.numel() * p.element_size() for p in model.parameters())
-    rss = None if None in grown else int(statistics.median(g for g in grown if g is not None))
-    return MemoryCheck(devices, checkpoint, predicted, counted, rss, sum(predicted) + gradients)
-
-
-def formula(stages: int, microbatches: int) -> float:
-    """GPipe's speedup over one device with equal stages and free hand-offs."""
-    return stages / (1 + (stages - 1) / microbatches)
-
-
-def measure_speedups(
-    stages: tuple[int, ...],
-    counts: tuple[int, ...],
-    forward_ms: float,
-    backward_ms: float,
-    *,
-    steps: int = 2,
-) -> tuple[dict[tuple[int, int], float], float]:
-    """Speedups of K sleeping stages over one device doing the whole model, and the
-    runtime's cost per action fitted from them (ms).
-
-    The whole model sleeps ``forward_ms`` forward and ``backward_ms`` backward per
-    micro-batch; K stages sleep a K-th of it each. One device would take M times the
-    whole model's time; the speedup is that over the step's median time.
-    """
-    speedups, overheads = {}, []
-    for k in stages:
-        f, b = forward_ms / k, backward_ms / k
-        for m in counts:
-            step = sleep_pipeline(k, m, f, b, steps=steps)
-            speedups[(k, m)] = m * (forward_ms + backward_ms) / 1e3 / step.seconds
-            # what the step took beyond the schedule, per action on its critical path
-            scheduled = (m + k - 1) * (f + b) / 1e3
-            overheads.append(max(0.0, step.seconds - scheduled) / (2 * (m + k - 1)) * 1e3)
-    return speedups, statistics.median(overheads)
-
-
-def simulated_speedup(
-    stages: int,
-    microbatches: int,
-    forward_ms: float,
-    backward_ms: float,
-    *,
-    overhead_ms: float = 0.0,
-    transfer_ms: float = 0.0,
-) -> float:
-    """The simulator's speedup for the same model: K equal stages, each action paying
-    ``overhead_ms``, each hand-off between devices ``transfer_ms``."""
-    costs = Costs(
-        forward=forward_ms / stages + overhead_ms,
-        backward=backward_ms / stages + overhead_ms,
-        transfer=transfer_ms,
-    )
-    timeline = simulate(make_schedule("gpipe", stages, microbatches), costs)
-    return microbatches * (forward_ms + backward_ms) / timeline.makespan
 
 
 def run(doc: Document, settings: ReportSettings) -> SectionResult:
