@@ -91,10 +91,17 @@ def save(
     staging = checkpoint_folder.staging(folder, number)
     dcp.save(state, checkpoint_id=staging)
     # NOTE: DCP's save returns on rank 0 only once every rank's files and the .metadata are
-    # written, so rank 0 commits at once; the barrier holds the others until it has
+    # written, so rank 0 commits at once; the broadcast holds the others until it has, and
+    # tells them if it could not (rather than leaving them in a barrier)
+    problem = ""
     if dist.get_rank() == 0:
-        checkpoint_folder.commit(folder, number, keep)
-    dist.barrier()
+        try:
+            checkpoint_folder.commit(folder, number, keep)
+        except OSError as error:
+            problem = str(error)
+    problem = broadcast_json(problem)
+    if problem:
+        raise OSError(f"save {number} in {folder}: rank 0 could not finish it: {problem}")
     return folder / f"save-{number}"
 
 
