@@ -20,9 +20,15 @@ ROOT = Path(__file__).parent.parent
 STEPS = 12  # as the script says
 
 # Rank 1 of the first attempt dies (SIGKILL) as its fourth step begins; then the script runs.
+# NOTE: rank 0 comes up late after the restart, as a loaded machine may make it: the dead
+# attempt's addresses in torchrun's store must not mislead rank 1 (they did, before
+# gpipe.distributed.init kept each attempt's keys apart).
 _DIES_ONCE = """
-import os, runpy, signal, sys
+import os, runpy, signal, sys, time
 import gpipe.distributed as gd
+
+if os.environ["TORCHELASTIC_RESTART_COUNT"] != "0" and os.environ["RANK"] == "0":
+    time.sleep(2)
 
 if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0" and os.environ["RANK"] == "1":
     real, calls = gd.DistributedGPipe.train_step, []
