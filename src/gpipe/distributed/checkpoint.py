@@ -125,6 +125,8 @@ def load(
         ValueError: the checkpoint and the model differ (keys missing on either side, or
             shapes that do not match), or it holds byte (pickled) entries; the message
             names them.
+        pickle.UnpicklingError: its ``.metadata`` names classes a checkpoint's metadata
+            does not hold (the file was written by something else).
     """
     source = Path(broadcast_json(str(_resolve(path)) if dist.get_rank() == 0 else ""))
     if not (source / ".metadata").exists():
