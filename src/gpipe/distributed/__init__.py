@@ -9,9 +9,17 @@
 See docs/distributed.md.
 """
 
-from gpipe.distributed.checkpoint import consolidate
+from gpipe.distributed.checkpoint import consolidate, newest_checkpoint
 from gpipe.distributed.faults import PipelineFailure
 from gpipe.distributed.launch import device, init, spawn
 from gpipe.distributed.pipe import DistributedGPipe
 
-__all__ = ["DistributedGPipe", "PipelineFailure", "consolidate", "device", "init", "spawn"]
+__all__ = [
+    "DistributedGPipe",
+    "PipelineFailure",
+    "consolidate",
+    "device",
+    "init",
+    "newest_checkpoint",
+    "spawn",
+]

@@ -5,16 +5,20 @@ Every parameter and buffer is saved under its fully qualified name in the user's
 ``torch.distributed.checkpoint.state_dict``), so the keys do not depend on the layout: a
 checkpoint saved by 4 ranks with balance [2, 2, 2, 2] loads into 2 ranks with [4, 4], or
 into a pipe with data-parallel replicas, or (after :func:`consolidate`) into the plain model
-in one process. A save is written to a temporary folder and renamed into place once every
-rank has finished, so a crash mid-save leaves the previous checkpoint as it was.
+in one process.
+
+``path`` is a folder of numbered checkpoints (see :mod:`gpipe.distributed.checkpoint_folder`):
+a crash at any moment of a save leaves the newest complete one loadable. What is saved is
+tensors only: the optimizer's settings (lr, betas...) and ``extra``'s other values as JSON
+in uint8 tensors, so loading unpickles nothing (see :mod:`gpipe.distributed.checkpoint_reader`).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import uuid
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -22,19 +26,23 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_optimizer_state_dict,
     set_optimizer_state_dict,
 )
 
+from gpipe.distributed import checkpoint_folder
+from gpipe.distributed.checkpoint_reader import SafeReader, read_metadata
+from gpipe.distributed.json_collectives import all_gather_json, broadcast_json
+
 if TYPE_CHECKING:
     from gpipe.distributed.pipe import DistributedGPipe
 
-__all__ = ["consolidate", "load", "save"]
+__all__ = ["consolidate", "load", "newest_checkpoint", "save"]
 
-_MODEL, _OPTIMIZER, _EXTRA = "model", "optimizer", "extra"
+_MODEL, _OPTIMIZER, _SETTINGS, _EXTRA = "model", "optimizer", "optimizer_settings", "extra"
 
 
 def save(
@@ -43,35 +51,58 @@ def save(
     *,
     optimizer: Any = None,
     extra: dict[str, Any] | None = None,
-) -> None:
-    """Save this rank's part of the model (and optimizer state) into one checkpoint folder.
+    keep: int | None = 2,
+) -> Path:
+    """Save this rank's part of the model (and optimizer state) as the next checkpoint in
+    the folder ``path``; return the checkpoint's own folder (``path/save-<n>``).
 
     Every rank calls it. ``extra`` holds anything else to keep (the step, the data loader's
-    position...): tensors, and values JSON can hold (numbers, strings, lists, dicts).
+    position, ``torch.get_rng_state()``...): tensors, and values JSON can hold (numbers,
+    strings, lists, dicts). ``keep``: how many complete checkpoints to leave in ``path``
+    (the older ones are deleted once this one is complete); None keeps every one.
 
     Raises:
-        TypeError: an ``extra`` value that is neither a tensor nor JSON.
+        TypeError: an ``extra`` value that is neither a tensor nor JSON, or a model or
+            optimizer entry that is not a tensor and not JSON.
         ValueError: ``optimizer`` holds parameters this rank does not train (one built
-            over the whole model, not ``pipe.parameters()``).
+            over the whole model, not ``pipe.parameters()``); ``keep`` below 1; ``path`` is
+            a checkpoint of the single-folder layout.
     """
-    target = Path(path)
+    if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
+        raise ValueError(f"keep={keep!r}: give how many checkpoints to keep (1 or more), or None")
+    folder = Path(path)
     view = pipe.user_view()
     state: dict[str, Any] = {_MODEL: _tensors(view)}
     if optimizer is not None:
-        state[_OPTIMIZER] = _optimizer_state(view, optimizer)
+        state[_OPTIMIZER], settings = _split_settings(_optimizer_state(view, optimizer))
+        state[_SETTINGS] = {key: _json_tensor(value) for key, value in settings.items()}
     if extra is not None:
         state[_EXTRA] = _pack(extra)
-    nonce = _agreed(uuid.uuid4().hex[:12])
-    staging = target.with_name(f"{target.name}.saving-{nonce}")
-    dcp.save(state, checkpoint_id=staging)
-    dist.barrier()
+    number, refused, problem = 0, False, ""
     if dist.get_rank() == 0:
-        old = target.with_name(f"{target.name}.old-{nonce}")
-        if target.exists():
-            target.rename(old)
-        staging.rename(target)
-        shutil.rmtree(old, ignore_errors=True)
-    dist.barrier()
+        try:
+            number = checkpoint_folder.begin(folder)
+        except (OSError, ValueError) as error:
+            refused, problem = isinstance(error, ValueError), str(error)
+    # NOTE: the broadcast also holds every rank until rank 0 has cleared the leftovers
+    number, refused, problem = broadcast_json([number, refused, problem])
+    if problem:
+        raise (ValueError if refused else OSError)(f"cannot save into {folder}: {problem}")
+    staging = checkpoint_folder.staging(folder, number)
+    dcp.save(state, checkpoint_id=staging)
+    # NOTE: DCP's save returns on rank 0 only once every rank's files and the .metadata are
+    # written, so rank 0 commits at once; the broadcast holds the others until it has, and
+    # tells them if it could not (rather than leaving them in a barrier)
+    problem = ""
+    if dist.get_rank() == 0:
+        try:
+            checkpoint_folder.commit(folder, number, keep)
+        except OSError as error:
+            problem = str(error)
+    problem = broadcast_json(problem)
+    if problem:
+        raise OSError(f"save {number} in {folder}: rank 0 could not finish it: {problem}")
+    return folder / f"save-{number}"
 
 
 def load(
@@ -80,69 +111,101 @@ def load(
     *,
     optimizer: Any = None,
 ) -> dict[str, Any]:
-    """Load a checkpoint saved by :func:`save` under any layout; return its ``extra``.
+    """Load the newest complete checkpoint in the folder ``path`` (or the checkpoint
+    ``path`` itself: a ``save-<n>`` folder, or one saved before numbered checkpoints) under
+    any layout; return its ``extra``.
+
+    Trust: loading runs no code from the files (tensors are read with ``weights_only``,
+    DCP's pickled ``.metadata`` with an unpickler that knows only its own classes, and byte
+    entries are refused), but a checkpoint from someone else can still hold any weights:
+    load those you would run.
 
     Raises:
-        FileNotFoundError: no checkpoint at ``path``.
+        FileNotFoundError: no complete checkpoint at ``path``.
         ValueError: the checkpoint and the model differ (keys missing on either side, or
-            shapes that do not match); the message names them.
+            shapes that do not match), or it holds byte (pickled) entries; the message
+            names them.
+        pickle.UnpicklingError: its ``.metadata`` names classes a checkpoint's metadata
+            does not hold (the file was written by something else).
     """
-    source = Path(path)
+    source = Path(broadcast_json(str(_resolve(path)) if dist.get_rank() == 0 else ""))
     if not (source / ".metadata").exists():
-        raise FileNotFoundError(f"no checkpoint at {source} (no .metadata file there)")
-    metadata = dcp.FileSystemReader(source).read_metadata()
+        raise FileNotFoundError(
+            f"no complete checkpoint at {path} (neither a .metadata file nor a save-<n> "
+            "folder holding one): save with pipe.save(path) first"
+        )
+    metadata = read_metadata(source)
+    _refuse_bytes(metadata, source)
     view = pipe.user_view()
     model = _tensors(view)
     _check_matches(metadata, model)
     state: dict[str, Any] = {_MODEL: model}
     if optimizer is not None:
-        if not any(key.startswith(f"{_OPTIMIZER}.") for key in metadata.state_dict_metadata):
+        if not _entries(metadata, _OPTIMIZER):
             raise ValueError(f"the checkpoint at {source} holds no optimizer state")
-        state[_OPTIMIZER] = _optimizer_state(view, optimizer)
-    extras = {
-        key[len(_EXTRA) + 1 :]: item
-        for key, item in metadata.state_dict_metadata.items()
-        if key.startswith(f"{_EXTRA}.") and isinstance(item, TensorStorageMetadata)
-    }
-    if extras:
-        state[_EXTRA] = {
-            key: torch.empty(tuple(item.size), dtype=item.properties.dtype)
-            for key, item in extras.items()
-        }
-    dcp.load(state, checkpoint_id=source)
+        state[_OPTIMIZER], settings = _split_settings(_optimizer_state(view, optimizer))
+        state[_SETTINGS] = _empty_like_saved(metadata, _SETTINGS)
+    if _entries(metadata, _EXTRA):
+        state[_EXTRA] = _empty_like_saved(metadata, _EXTRA)
+    dcp.load(state, storage_reader=SafeReader(source))
     if optimizer is not None:
-        set_optimizer_state_dict(view, _holding(optimizer), state[_OPTIMIZER], options=_FLAT)
-    return _unpack(state[_EXTRA]) if extras else {}
+        flat = _join_settings(state[_OPTIMIZER], settings, state[_SETTINGS], source)
+        set_optimizer_state_dict(view, _holding(optimizer), flat, options=_FLAT)
+    return _unpack(state[_EXTRA]) if _EXTRA in state else {}
+
+
+def newest_checkpoint(path: str | os.PathLike[str]) -> Path | None:
+    """The checkpoint :func:`load` would read from ``path``, or None if there is none yet.
+
+    Reads the file system only (no process group): a script asks it to choose between
+    resuming and starting afresh, ``pipe.load(path) if newest_checkpoint(path) else ...``.
+    """
+    found = _resolve(path)
+    return found if (found / ".metadata").exists() else None
 
 
 def consolidate(path: str | os.PathLike[str], out_file: str | os.PathLike[str]) -> None:
     """Write the model of a checkpoint as one ordinary ``torch.save`` state_dict file.
 
-    Runs in a single process (no process group needed); the result loads into the plain
-    model: ``model.load_state_dict(torch.load(out_file, weights_only=True))``.
+    ``path`` as for :func:`load`. Runs in a single process (no process group needed); the
+    result loads into the plain model:
+    ``model.load_state_dict(torch.load(out_file, weights_only=True))``.
     """
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    source = Path(path)
-    if not (source / ".metadata").exists():
-        raise FileNotFoundError(f"no checkpoint at {source} (no .metadata file there)")
+    source = newest_checkpoint(path)
+    if source is None:
+        raise FileNotFoundError(f"no complete checkpoint at {path}: save with pipe.save first")
+    metadata = read_metadata(source)
+    _refuse_bytes(metadata, source)
+    state = {_MODEL: _empty_like_saved(metadata, _MODEL)}
+    with warnings.catch_warnings():  # NOTE: DCP warns that it reads in one process: we mean to
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        dcp.load(state, storage_reader=SafeReader(source), no_dist=True)
     target = Path(out_file)
-    # NOTE: a name of its own, so processes that all call this (the same script on every
-    # rank) do not read each other's half-written files
-    whole = target.with_name(f"{target.name}.whole-{uuid.uuid4().hex[:12]}")
-    try:
-        dcp_to_torch_save(source, whole)
-        state = torch.load(whole, weights_only=True)
-    finally:
-        whole.unlink(missing_ok=True)
     written = target.with_name(f"{target.name}.writing-{uuid.uuid4().hex[:12]}")
     torch.save(state[_MODEL], written)
     written.replace(target)  # whole or not at all, even with several writers
 
 
+def _resolve(path: str | os.PathLike[str]) -> Path:
+    """The checkpoint folder ``path`` names: itself if it holds a .metadata, else its newest
+    complete numbered checkpoint (``path`` itself when it holds none)."""
+    source = Path(path)
+    if (source / ".metadata").exists():
+        return source
+    return checkpoint_folder.newest(source) or source
+
+
 def _tensors(view: nn.Module) -> dict[str, torch.Tensor]:
     """This rank's parameters and persistent buffers, by their names in the user's model."""
-    return {name: tensor.detach() for name, tensor in view.state_dict(keep_vars=True).items()}
+    state = view.state_dict(keep_vars=True)
+    odd = sorted(name for name, value in state.items() if not isinstance(value, torch.Tensor))
+    if odd:
+        raise TypeError(
+            f"the model's state_dict holds entries that are not tensors ({', '.join(odd)}, "
+            "from a module's get_extra_state): a checkpoint keeps tensors only, so that "
+            "loading it unpickles nothing; keep such state in tensors or in extra="
+        )
+    return {name: tensor.detach() for name, tensor in state.items()}
 
 
 # NOTE: flattened, the state and the group settings (lr, betas...) are keyed by each
@@ -154,6 +217,41 @@ _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 def _optimizer_state(view: nn.Module, optimizer: Any) -> dict[str, Any]:
     _refuse_others(view, _holding(optimizer))
     return get_optimizer_state_dict(view, _holding(optimizer), options=_FLAT)
+
+
+def _split_settings(flat: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The flattened optimizer state as its tensors, and the rest (``lr``, ``betas``...)
+    grouped by what precedes the setting's name (``param_groups.3.weight``)."""
+    tensors = {key: value for key, value in flat.items() if isinstance(value, torch.Tensor)}
+    settings: dict[str, dict[str, Any]] = {}
+    for key, value in flat.items():
+        if not isinstance(value, torch.Tensor):
+            owner, _, name = key.rpartition(".")
+            settings.setdefault(owner, {})[name] = value
+    return tensors, settings
+
+
+def _join_settings(
+    tensors: dict[str, torch.Tensor],
+    current: dict[str, dict[str, Any]],
+    saved: dict[str, torch.Tensor],
+    source: Path,
+) -> dict[str, Any]:
+    """The flattened optimizer state again: the loaded tensors and saved settings, each
+    setting in the type the optimizer holds now (JSON gives lists for tuples)."""
+    missing = sorted(set(current) - set(saved))
+    if missing:
+        raise ValueError(
+            f"the checkpoint at {source} holds no optimizer settings for {', '.join(missing)} "
+            "(was it saved with another optimizer, or another model?)"
+        )
+    flat: dict[str, Any] = dict(tensors)
+    for owner, now in current.items():
+        values = _from_json_tensor(saved[owner])
+        for name, value in values.items():
+            was = now.get(name)
+            flat[f"{owner}.{name}"] = tuple(value) if isinstance(was, tuple) else value
+    return flat
 
 
 def _refuse_others(view: nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -188,17 +286,46 @@ def _holding(optimizer: Any) -> torch.optim.Optimizer:
     return optimizer
 
 
-def _check_matches(metadata: Any, model: dict[str, torch.Tensor]) -> None:
-    """The checkpoint's model keys and shapes against every rank's: one clear error, or none."""
-    saved = {
-        key[len(_MODEL) + 1 :]: tuple(item.size)
+def _entries(metadata: Metadata, section: str) -> dict[str, Any]:
+    """The checkpoint's entries under ``section``, by their key within it."""
+    start = f"{section}."
+    return {
+        key[len(start) :]: item
         for key, item in metadata.state_dict_metadata.items()
-        if key.startswith(f"{_MODEL}.") and hasattr(item, "size")
+        if key.startswith(start)
     }
-    mine = {name: tuple(t.shape) for name, t in model.items()}
-    everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    held = {name: shape for part in everyone for name, shape in part.items()}
+
+
+def _empty_like_saved(metadata: Metadata, section: str) -> dict[str, torch.Tensor]:
+    """Tensors to load ``section``'s entries into, as the checkpoint holds them."""
+    return {
+        key: torch.empty(tuple(item.size), dtype=item.properties.dtype)
+        for key, item in _entries(metadata, section).items()
+    }
+
+
+def _refuse_bytes(metadata: Metadata, source: Path) -> None:
+    """Raise if the checkpoint holds entries that are not tensors: DCP would unpickle them."""
+    odd = sorted(
+        key
+        for key, item in metadata.state_dict_metadata.items()
+        if not isinstance(item, TensorStorageMetadata)
+    )
+    if odd:
+        shown = ", ".join(odd[:5]) + (f" and {len(odd) - 5} more" if len(odd) > 5 else "")
+        raise ValueError(
+            f"the checkpoint at {source} holds entries that are not tensors ({shown}): "
+            "torch.distributed.checkpoint would unpickle them, which can run code, so gpipe "
+            "does not load it (gpipe before numbered checkpoints saved optimizer settings so: "
+            "load such a checkpoint without optimizer=, or with the gpipe that wrote it)"
+        )
+
+
+def _check_matches(metadata: Metadata, model: dict[str, torch.Tensor]) -> None:
+    """The checkpoint's model keys and shapes against every rank's: one clear error, or none."""
+    saved = {key: tuple(item.size) for key, item in _entries(metadata, _MODEL).items()}
+    mine = {name: list(t.shape) for name, t in model.items()}
+    held = {name: tuple(shape) for part in all_gather_json(mine) for name, shape in part.items()}
     missing = sorted(set(held) - set(saved))
     unexpected = sorted(set(saved) - set(held))
     shapes = sorted(
@@ -220,28 +347,30 @@ def _check_matches(metadata: Any, model: dict[str, torch.Tensor]) -> None:
         )
 
 
+def _json_tensor(value: Any) -> torch.Tensor:
+    """``value`` as UTF-8 JSON bytes in a uint8 tensor."""
+    try:
+        text = json.dumps(value, allow_nan=True)
+    except TypeError as error:
+        raise TypeError(
+            "a checkpoint keeps tensors, and values JSON can hold (numbers, strings, lists, "
+            f"dicts): {error}"
+        ) from error
+    return torch.frombuffer(bytearray(text.encode()), dtype=torch.uint8)
+
+
+def _from_json_tensor(data: torch.Tensor) -> Any:
+    return json.loads(bytes(data.numpy()).decode())
+
+
 def _pack(extra: dict[str, Any]) -> dict[str, torch.Tensor]:
     """``extra`` as tensors: its tensors as they are, the rest as JSON bytes."""
     tensors = {f"t.{k}": v.detach().cpu() for k, v in extra.items() if isinstance(v, torch.Tensor)}
     rest = {k: v for k, v in extra.items() if not isinstance(v, torch.Tensor)}
-    try:
-        text = json.dumps(rest)
-    except TypeError as error:
-        raise TypeError(
-            f"extra must hold tensors or values JSON can hold (numbers, strings, lists, dicts): "
-            f"{error}"
-        ) from error
-    return {"json": torch.tensor(list(text.encode()), dtype=torch.uint8), **tensors}
+    return {"json": _json_tensor(rest), **tensors}
 
 
 def _unpack(packed: dict[str, torch.Tensor]) -> dict[str, Any]:
-    values: dict[str, Any] = json.loads(bytes(packed["json"].tolist()).decode())
+    values: dict[str, Any] = _from_json_tensor(packed["json"])
     values.update({k[2:]: v for k, v in packed.items() if k.startswith("t.")})
     return values
-
-
-def _agreed(value: str) -> str:
-    """Rank 0's ``value`` on every rank."""
-    holder = [value]
-    dist.broadcast_object_list(holder, src=0)
-    return str(holder[0])

@@ -63,9 +63,38 @@ def init(
     # NOTE: on NCCL, bound to this rank's GPU at once (every communicator made eagerly, on
     # the right device); gloo takes no device.
     bound = device() if backend == "nccl" else None
-    dist.init_process_group(backend, timeout=timeout, device_id=bound)
+    store = _attempt_store(timeout)
+    if store is None:
+        dist.init_process_group(backend, timeout=timeout, device_id=bound)
+    else:
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        dist.init_process_group(
+            backend, timeout=timeout, device_id=bound, store=store, rank=rank, world_size=world
+        )
     atexit.register(_shutdown)
     return dist.get_rank(), dist.get_world_size()
+
+
+def _attempt_store(timeout: datetime.timedelta) -> dist.Store | None:
+    """Under torchrun's restarts, its agent's store, with keys of this attempt's own.
+
+    NOTE: torchrun hands every attempt of the job the same store, and the process group's
+    keys do not name the attempt, so the addresses a dead attempt's ranks published are
+    still there: a restarted rank that asks before its peer has published again connects
+    to the dead peer's port (measured with torch 2.13 and gloo, plain torch too: every
+    restart failed when rank 0 came up 3 s late; once, a restart hung).
+    """
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    agent = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        int(os.environ["WORLD_SIZE"]),
+        is_master=False,
+        timeout=timeout,
+    )
+    return dist.PrefixStore(f"gpipe/attempt-{attempt}", agent)
 
 
 def _shutdown() -> None:

@@ -602,14 +602,17 @@ class DistributedGPipe(StepSettings, nn.Module):
         *,
         optimizer: Any = None,
         extra: dict[str, Any] | None = None,
-    ) -> None:
-        """Save a checkpoint any layout can load (see :mod:`gpipe.distributed.checkpoint`)."""
+        keep: int | None = 2,
+    ) -> os.PathLike[str]:
+        """Save the next checkpoint in the folder ``path``, any layout can load it; keep the
+        newest ``keep`` (see :mod:`gpipe.distributed.checkpoint`)."""
         from gpipe.distributed.checkpoint import save
 
-        save(self, path, optimizer=optimizer, extra=extra)
+        return save(self, path, optimizer=optimizer, extra=extra, keep=keep)
 
     def load(self, path: str | os.PathLike[str], *, optimizer: Any = None) -> dict[str, Any]:
-        """Load a checkpoint; return its ``extra`` (see :mod:`gpipe.distributed.checkpoint`)."""
+        """Load the newest complete checkpoint in ``path``; return its ``extra`` (see
+        :func:`gpipe.distributed.checkpoint.load`, and its trust model)."""
         from gpipe.distributed.checkpoint import load
 
         return load(self, path, optimizer=optimizer)

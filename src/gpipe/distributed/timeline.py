@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from gpipe.analysis import Costs, Event, Timeline, Transfer, simulate, skips_from_timeline
 from gpipe.distributed.executor import Executor
+from gpipe.distributed.json_collectives import all_gather_json
 from gpipe.runtime.step import Step
 from gpipe.runtime.transport import ACTIVATION, sending_stage
 from gpipe.schedule import BACKWARD, FORWARD, Action, Schedule
@@ -47,9 +48,8 @@ def gather_timeline(
         "sent": [(tag, peer, seconds(ns)) for tag, peer, ns in transport.sent],
         "received": [(t.tag, t.source, seconds(t.done_ns), t.nbytes) for t in transport.transfers],
     }
-    gathered: list[Any] = [None] * len(pipeline)
     try:
-        dist.all_gather_object(gathered, mine, group=group)
+        gathered = all_gather_json(mine, group=group)  # NOTE: JSON, so nothing is unpickled
     except RuntimeError as error:  # NOTE: most often one rank asked alone (`if rank == 0:`)
         raise RuntimeError(
             f"gathering the timeline failed on rank {dist.get_rank()}: it is a collective, so "
