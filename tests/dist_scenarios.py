@@ -367,6 +367,12 @@ def bad_config(case: str) -> Any:
         kwargs.update(schedule="1f1b", virtual_stages=2)
     elif case == "unknown_schedule":
         kwargs["schedule"] = "zigzag"
+    elif case == "wider_on_one_rank" and me == 1:  # the same layer types, another width
+        model = nn.Sequential(nn.Linear(WIDTH, 9), nn.Tanh(), nn.Linear(9, WIDTH), nn.Tanh())
+        model = model.double()
+    elif case == "buffer_dtype":
+        dtype = torch.float64 if me == 1 else torch.float32
+        model[0].register_buffer("scale", torch.ones(3, dtype=dtype))
     try:
         gd.DistributedGPipe(model, **kwargs)
     except (ValueError, TypeError) as error:

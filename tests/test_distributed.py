@@ -241,6 +241,11 @@ def test_a_hung_rank_ends_the_others_within_the_timeout() -> None:
         ("different_arguments", "chunks: rank 0 has 4, rank 1 has 8"),
         ("schedule", "use schedule='interleaved'"),
         ("unknown_schedule", "unknown schedule 'zigzag'"),
+        ("wider_on_one_rank", "rank 0 has ['0.weight', [6, 6], 'float64']"),
+        (
+            "buffer_dtype",
+            "rank 0 has ['0.scale', [3], 'float32'], rank 1 has ['0.scale', [3], 'float64']",
+        ),
     ],
 )
 def test_bad_configurations_fail_on_every_rank_before_any_step(case: str, expected: str) -> None:

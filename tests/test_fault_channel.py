@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from typing import Any
@@ -63,3 +64,112 @@ def test_a_published_failure_wakes_every_ranks_watcher_naming_the_rank() -> None
     assert channels[0].publish(Failure(0, "RuntimeError: later")) == first
     for channel in channels:
         channel.close()
+
+
+class Freezable:
+    """A store that, once frozen, answers nothing ever again (a stopped host)."""
+
+    def __init__(self) -> None:
+        self.store = dist.HashStore()
+        self.frozen = threading.Event()
+        self._never = threading.Event()
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self.store, name)
+
+        def call(*args: Any) -> Any:
+            if self.frozen.is_set():
+                self._never.wait()
+            return method(*args)
+
+        return call
+
+
+def _channels(store: Any, world: int, **kwargs: Any) -> list[FaultChannel]:
+    return [
+        FaultChannel(store, "p", r, lambda failure: None, world=world, token=b"k", **kwargs)
+        for r in range(world)
+    ]
+
+
+def test_the_culprit_is_the_rank_whose_beats_stopped_not_the_one_waited_for() -> None:
+    channels = _channels(dist.HashStore(), 3, beat=0.1)
+    for channel in channels:
+        channel.progress = lambda: {"done": 0, "waiting": True}
+        channel._busy = 1  # inside a step
+    time.sleep(0.3)
+    channels[1].close()  # rank 1 stops beating: stopped, or dead
+    failure = channels[0].culprit(2, [0, 1, 2], "rank 0 got nothing from rank 2")
+    assert failure.rank == 1 and "stopped answering" in failure.error, failure
+    assert "rank 0 got nothing from rank 2" in failure.error
+    for channel in channels:
+        channel.close()
+
+
+def test_the_culprit_is_a_rank_that_beats_but_makes_no_progress_outside_a_wait() -> None:
+    channels = _channels(dist.HashStore(), 3, beat=0.1)
+    count = iter(range(10**6))
+    channels[1].progress = lambda: {"done": 7, "waiting": False, "doing": "a step"}  # stuck
+    channels[2].progress = lambda: {"done": next(count), "waiting": False}  # working
+    for channel in channels:
+        channel._busy = 1
+    time.sleep(0.3)
+    failure = channels[0].culprit(2, [0, 1, 2], "rank 0 got nothing from rank 2")
+    assert failure.rank == 1 and "made no progress" in failure.error, failure
+    for channel in channels:
+        channel.close()
+
+
+def test_with_every_rank_alive_and_waiting_the_culprit_is_the_suspect() -> None:
+    channels = _channels(dist.HashStore(), 2, beat=0.1)
+    for channel in channels:
+        channel.progress = lambda: {"done": 0, "waiting": True}
+        channel._busy = 1
+    time.sleep(0.3)
+    failure = channels[0].culprit(1, [0, 1], "rank 0 lost its link to rank 1")
+    assert failure.rank == 1 and failure.error.startswith("rank 0 lost its link to rank 1")
+    assert channels[0].culprit(-1, None, "a collective broke").rank == -1
+    for channel in channels:
+        channel.close()
+
+
+def test_a_reported_failure_wins_over_any_culprit() -> None:
+    channels = _channels(dist.HashStore(), 2, beat=0.1)
+    reported = channels[1].publish(Failure(1, "ValueError: boom"))
+    assert channels[0].culprit(1, [0, 1], "rank 0 lost its link to rank 1") == reported
+    for channel in channels:
+        channel.close()
+
+
+def test_a_silent_store_names_rank_0_that_hosts_it_within_its_bound() -> None:
+    store = Freezable()
+    channel = FaultChannel(store, "p", 1, lambda failure: None, world=2, ask=0.5)
+    store.frozen.set()
+    started = time.monotonic()
+    failure = channel.culprit(2, [0, 1, 2], "rank 1 got nothing from rank 0")
+    assert failure.rank == 0 and "store" in failure.error, failure
+    channel.publish(Failure(1, "later"))  # bounded too: the store is known silent
+    channel.acknowledge(2)
+    channel.close()
+    # a hang check: usually the 0.5 s bound; unbounded, a frozen store never answers
+    assert time.monotonic() - started < 10
+    store.frozen.clear()  # the host resumes: the threads left waiting on it end
+    store._never.set()
+    store.store.set("p/wake/1", b"closed")
+
+
+def test_a_forged_failure_record_is_ignored_and_a_real_one_replaces_it() -> None:
+    store = Counting()
+    heard: list[Failure] = []
+    channel = FaultChannel(store, "p", 0, heard.append, world=1, token=b"secret")
+    forged = {"failure": json.dumps({"rank": 3, "error": "x"}), "mac": "0" * 64}
+    store.store.set("p/failure", json.dumps(forged).encode())
+    store.store.set("p/wake/0", b"failure")
+    time.sleep(0.5)
+    assert heard == [] and channel.check() is None
+    first = channel.publish(Failure(0, "ValueError: real"))
+    assert first.error == "ValueError: real" and heard == [first]
+    other = FaultChannel(store, "p", 0, lambda failure: None, world=1, token=b"other")
+    assert other.check() is None  # signed under another job's token: not ours
+    for c in (channel, other):
+        c.close()

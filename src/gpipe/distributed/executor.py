@@ -19,15 +19,12 @@ that depend on the data) is an error naming it: its receiver posted other shapes
 
 from __future__ import annotations
 
-import contextlib
-import datetime
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from gpipe.distributed.faults import Failure, PipelineFailure, brief
 from gpipe.distributed.posting import Message, Poster, poster_for
@@ -79,7 +76,8 @@ class Executor:
             channel); returns the failure every rank will name.
         overlap: False waits for every batch to complete before the next action, to
             measure what overlapping communication with compute is worth.
-        reported: the failure some rank reported, if any (asks the fault channel).
+        blame: whom to name when a wait for a rank failed: ``blame(rank, what happened)``
+            (the fault channel's culprit: a reported failure, or the rank that fell silent).
     """
 
     def __init__(
@@ -93,7 +91,7 @@ class Executor:
         timeout: float,
         report: Callable[[Failure], Failure],
         overlap: bool = True,
-        reported: Callable[[], Failure | None] | None = None,
+        blame: Callable[[int, str], Failure] | None = None,
     ) -> None:
         self._placement = placement
         self._device = device
@@ -103,7 +101,9 @@ class Executor:
         self._control = control
         self._timeout = timeout
         self._report = report
-        self._reported = reported
+        self._blame = blame
+        self.done = 0  # actions run, over every step: progress, for the fault channel's beats
+        self.waiting = False  # whether the worker waits for a message now
         self.overlap = overlap
         self._poster: Poster = poster_for(group, timeout, self._link_failed)
         self._box = Mailbox()  # hand-offs between stages of this rank, and the caller's
@@ -154,6 +154,7 @@ class Executor:
         Raises:
             PipelineFailure: a rank failed or vanished, or nothing came within the timeout.
         """
+        self.waiting = True
         try:
             if self._device_of(sending_stage(tag)) == self._device:
                 return self._box.take(tag, self._timeout)
@@ -164,15 +165,14 @@ class Executor:
             raise self._raised() from None
         except TimeoutError:
             sender = self._ranks[self._device_of(sending_stage(tag))]
-            self.fail(
-                Failure(
-                    sender,
-                    f"rank {self._rank} got no {tag[0]} for stage {tag[1]}, micro-batch "
-                    f"{tag[2]} from rank {sender} within {self._timeout:g} s: that rank died, "
-                    "hung, or is not running the same pipe",
-                )
+            what = (
+                f"rank {self._rank} got no {tag[0]} for stage {tag[1]}, micro-batch {tag[2]} "
+                f"from rank {sender} within {self._timeout:g} s"
             )
+            self.fail(self._named(sender, what))
             raise self._raised() from None
+        finally:
+            self.waiting = False
         message = receipt.message
         nbytes = sum(t.numel() * t.element_size() for t in message.tensors)
         self.transfers.append(
@@ -210,6 +210,7 @@ class Executor:
     def ran(self, action: Action) -> None:
         """The worker finished ``action``: post the batches that follow it."""
         self._ran += 1
+        self.done += 1
         self._advance()
 
     def finish(self) -> None:
@@ -249,21 +250,18 @@ class Executor:
             self._join(wait)
 
     def release(self, grace: float = 2.0) -> None:
-        """After a failure, at exit: close this rank's links and let its threads end.
+        """After a failure, once the groups' links are closed (mesh.retire): let this rank's
+        threads end, waiting ``grace`` s at most.
 
         NOTE: a thread still waiting in gloo when the interpreter finalizes drops its work
         there, and the work's destructor, taking the GIL from a thread Python is ending,
-        aborts the process ("terminate called without an active exception"). A receive
-        that times out closes its pair, failing every wait on it: so each link gets a
-        receive that times out at once, and the thread, woken, ends while the interpreter
-        still runs.
+        aborts the process ("terminate called without an active exception"); closed links
+        fail those waits, so the threads end while the interpreter still runs.
         """
         self.close()
-        for peer in self._peers_used:
-            with contextlib.suppress(Exception):  # closed, as meant (or already)
-                peer_rank = dist.get_group_rank(self._control, peer)
-                self._control.recv([torch.empty(1)], peer_rank, _CLOSE_TAG).wait(_AT_ONCE)
         self._join(grace)
+        # NOTE: a destroyed group keeps its threads and sockets while anything refers to it
+        self._poster.group = self._control = None
 
     # -- posting -----------------------------------------------------------------------
 
@@ -375,16 +373,23 @@ class Executor:
         return PipelineFailure(self.failure, self._rank)
 
     def _link_failed(self, peer: int, error: BaseException) -> None:
-        """A link broke: name what some rank reported, if it comes within a second (the
-        rank that failed closes its links as it exits, and its report may be a moment
-        behind), else the lost link itself."""
-        for _ in range(10):
-            reported = self.failure or (self._reported() if self._reported else None)
-            if reported is not None:
-                self.fail(reported)
-                return
-            time.sleep(0.1)
-        self.fail(_link_lost(self._rank, peer, error, self._timeout))
+        """A link to ``peer`` broke: name the rank that failed (see :meth:`_named`)."""
+        what = (
+            f"rank {self._rank} lost its link to rank {peer} ({_link_cause(error, self._timeout)})"
+        )
+        self.fail(self._named(peer, what))
+
+    def _named(self, suspect: int, what: str) -> Failure:
+        """Whom a failed wait for ``suspect`` blames: a failure already heard, else the fault
+        channel's culprit (a reported failure, or the rank that fell silent), else
+        ``suspect``."""
+        if self.failure is not None:
+            return self.failure
+        if self._blame is not None:
+            return self._blame(suspect, what)
+        return Failure(
+            suspect, f"{what}: that rank died, hung past the timeout, or its network failed"
+        )
 
     def _heard(self, failure: Failure) -> None:
         if self.failure is None:
@@ -401,10 +406,6 @@ class Executor:
             thread.join(max(0.0, deadline - time.monotonic()))
 
 
-_AT_ONCE = datetime.timedelta(milliseconds=1)
-_CLOSE_TAG = 3  # never sent: a receive on it times out, closing its link (see release)
-
-
 def _changed(tag: Tag, expected: Signature | None, got: Signature) -> str:
     def shapes(signature: Signature | None) -> str:
         if signature is None:
@@ -415,14 +416,6 @@ def _changed(tag: Tag, expected: Signature | None, got: Signature) -> str:
     return (
         f"the {tag[0]} for stage {tag[1]}, micro-batch {tag[2]} changed from "
         f"[{shapes(expected)}] to [{shapes(got)}] between two steps with the same input shapes"
-    )
-
-
-def _link_lost(rank: int, peer: int, error: BaseException, timeout: float) -> Failure:
-    return Failure(
-        peer,
-        f"rank {rank} lost its link to rank {peer} ({_link_cause(error, timeout)}): that rank "
-        "died, hung past the timeout, or its network failed",
     )
 
 

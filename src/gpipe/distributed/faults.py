@@ -8,6 +8,16 @@ worker with a :class:`PipelineFailure` naming the failing rank. So one rank's er
 rank within a fraction of a second, whoever launched the processes (torchrun, mp.spawn,
 SLURM, or by hand), and no rank waits for a message that will never come.
 
+A rank that stops answering (stopped with SIGSTOP, a hung kernel, a deadlocked hook) reports
+nothing, so while a rank is inside a step its channel also beats: every second it writes how
+far it got. A rank whose wait for a peer fails asks :meth:`FaultChannel.culprit` whom to
+name, and the answer comes from those beats: the rank that fell silent, or the one stuck in
+an action, rather than the neighbour whose link happened to break first.
+
+Every request to the store is bounded: a store that does not answer (its host stopped) is
+itself the clue, and no rank waits on it forever. Failure records carry a MAC under a token
+only the ranks know, so another client of the store cannot stop the job by writing one.
+
 The store is torch.distributed's own (the one the process group was initialized with).
 """
 
@@ -15,11 +25,14 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import hashlib
+import hmac
 import json
+import os
 import re
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -27,9 +40,11 @@ import torch.distributed as dist
 
 from gpipe.runtime.transport import Aborted
 
-__all__ = ["Failure", "FaultChannel", "PipelineFailure", "brief", "wait_for"]
+__all__ = ["Failure", "FaultChannel", "PipelineFailure", "StoreSilent", "brief", "wait_for"]
 
 _REARM = datetime.timedelta(hours=1)
+BEAT = 1.0  # seconds between a busy rank's beats
+ASK = 3.0  # seconds a store request may take before the store counts as silent
 # gloo's "[path/file.cc:123] " before its message
 _SOURCE_LINE = re.compile(r"^\[[^\]]*:\d+\] ")
 
@@ -75,16 +90,23 @@ class PipelineFailure(Aborted, RuntimeError):
         self.failure = failure
 
 
+class StoreSilent(RuntimeError):
+    """The store did not answer within its bound (its host is stopped or gone)."""
+
+
 class FaultChannel:
-    """Publish this rank's failure; hear any rank's.
+    """Publish this rank's failure; hear any rank's; beat while busy; name who stopped.
 
     Args:
         store: the c10d store every rank shares.
-        prefix: keys are ``prefix + "/failure"`` and ``prefix + "/wake/<rank>"``: one set per
-            pipe, so pipes never mix.
+        prefix: keys are ``prefix + "/failure"``, ``prefix + "/wake/<rank>"`` and
+            ``prefix + "/alive/<rank>"``: one set per pipe, so pipes never mix.
         rank: this rank.
         on_failure: called (in the watcher thread) with the first failure any rank reports.
         world: how many ranks watch (a failure wakes each).
+        token: a secret only the ranks share; failure records without its MAC are ignored.
+        beat: seconds between beats while busy.
+        ask: seconds a store request may take before the store counts as silent.
     """
 
     def __init__(
@@ -94,6 +116,10 @@ class FaultChannel:
         rank: int,
         on_failure: Callable[[Failure], None],
         world: int,
+        *,
+        token: bytes = b"",
+        beat: float = BEAT,
+        ask: float = ASK,
     ) -> None:
         # NOTE: clients of their own: a TCPStore client serves one request at a time, so a
         # watcher blocked in wait on the job's shared client would stall every other use of
@@ -104,29 +130,45 @@ class FaultChannel:
         self._key = f"{prefix}/failure"
         self._rank = rank
         self._world = world
+        self._token = token
+        self._beat = beat
+        self._ask_within = ask
         self._on_failure = on_failure
         self._stop = threading.Event()
         self._lock = threading.Lock()
+        self._silent = False  # the store did not answer once: ask it nothing more
+        self._busy = 0
+        self._beats = 0
         self.failure: Failure | None = None
+        # what this rank is doing, for its beats: set by the pipe
+        self.progress: Callable[[], dict[str, Any]] = dict
         self._thread = threading.Thread(
             target=self._watch, name=f"gpipe-faults-rank{rank}", daemon=True
         )
         self._thread.start()
+        self._beating = threading.Thread(
+            target=self._beat_while_busy, name=f"gpipe-beats-rank{rank}", daemon=True
+        )
+        self._beating.start()
 
     def publish(self, failure: Failure) -> Failure:
         """Report ``failure`` unless another rank already reported one; return the first.
 
         NOTE: compare_set makes the first report win, so every rank names the same cause
-        even when a failure on one rank makes its neighbours fail too.
+        even when a failure on one rank makes its neighbours fail too. A record that is not
+        ours (no valid MAC: written by another client of the store) is overwritten.
         """
-        payload = json.dumps(asdict(failure)).encode()
+        payload = self._signed(failure)
         try:
-            first = self._store.compare_set(self._key, b"", payload)
-            winner = _load(first) if first else failure
+            first = self._ask(self._store.compare_set, self._key, b"", payload)
+            winner = self._verified(first) if first else failure
+            if winner is None:  # a forged record sits there: ours replaces it
+                self._ask(self._store.set, self._key, payload)
+                winner, first = failure, payload
             if not first or first == payload:  # this report won: wake every watcher
                 for rank in range(self._world):
-                    self._store.set(self._wake(rank), b"failure")
-        except Exception:  # the store itself is gone (its host died): keep our own account
+                    self._ask(self._store.set, self._wake(rank), b"failure")
+        except Exception:  # the store is gone or silent: keep our own account
             winner = failure
         self._heard(winner)
         return winner
@@ -140,8 +182,12 @@ class FaultChannel:
         """
         if self.failure is None:
             try:
-                if self._store.check([self._key]):
-                    self._heard(_load(self._store.get(self._key)))
+                if self._ask(self._store.check, [self._key]):
+                    found = self._verified(self._ask(self._store.get, self._key))
+                    if found is not None:
+                        self._heard(found)
+            except StoreSilent:
+                pass
             except Exception:
                 self._stop.set()
         return self.failure
@@ -157,15 +203,76 @@ class FaultChannel:
         key = f"{self._key}/heard"
         deadline = time.monotonic() + grace
         try:
-            count = self._store.add(key, 1)
+            count = self._ask(self._store.add, key, 1)
             while count < ranks and time.monotonic() < deadline:
                 time.sleep(0.02)
-                count = self._store.add(key, 0)
+                count = self._ask(self._store.add, key, 0)
         except Exception:
             return
 
+    @contextlib.contextmanager
+    def busy(self) -> Iterator[None]:
+        """Beat while inside (a step, building the pipe): a rank that stops beating while
+        others wait for it is the one :meth:`culprit` names."""
+        with self._lock:
+            self._busy += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._busy -= 1
+
+    def culprit(self, suspect: int, ranks: Sequence[int] | None, what: str) -> Failure:
+        """Whom to name when this rank's wait for ``suspect`` failed (``what`` happened).
+
+        The failure some rank reported, if one comes while the beats of ``ranks`` are
+        watched for ``3 * beat`` s; else the first rank whose beats stopped (stopped, or
+        dead), else the first that beats but made no progress outside a wait (stuck in an
+        action or a hook), else ``suspect``. A store that does not answer names rank 0,
+        which hosts it when launched by hand (torchrun's agent hosts it otherwise).
+        """
+        if ranks is None:
+            ranks = range(self._world)
+        others = [r for r in ranks if r != self._rank]
+        try:
+            before = self._records(others)
+            deadline = time.monotonic() + 3 * self._beat
+            while time.monotonic() < deadline:
+                if self.check() is not None:
+                    return self.failure  # type: ignore[return-value]
+                time.sleep(min(0.25, self._beat / 4))
+            after = self._records(others)
+        except StoreSilent:
+            return _silent_store(what)
+        reported = self.check()
+        if reported is not None:
+            return reported
+        seconds = f"{3 * self._beat:g}"
+        for rank in others:
+            now = after[rank]
+            if now is None or now == before[rank] or not now.get("busy"):
+                return Failure(
+                    rank,
+                    f"it stopped answering (no sign of life in {seconds} s: stopped, killed, or "
+                    f"outside the pipe's step); {what}",
+                )
+        for rank in others:
+            then, now = before[rank] or {}, after[rank] or {}
+            if now.get("done") == then.get("done") and not now.get("waiting"):
+                doing = now.get("doing") or "its step"
+                return Failure(
+                    rank,
+                    f"it made no progress in {doing} for {seconds} s while the others waited "
+                    f"(a hung kernel, or a deadlocked hook?); {what}",
+                )
+        if suspect < 0:
+            return Failure(-1, what)
+        return Failure(
+            suspect, f"{what}: that rank died, hung past the timeout, or its network failed"
+        )
+
     def close(self) -> None:
-        """Stop watching: wake this rank's watcher, and wait (a second at most) for it.
+        """Stop watching and beating: wake this rank's watcher, and wait (a second at most).
 
         NOTE: a watcher still asking the store while the interpreter exits can abort the
         process (the store goes away under a thread in C++); pipes close at exit for that.
@@ -174,12 +281,17 @@ class FaultChannel:
             return
         self._stop.set()
         with contextlib.suppress(Exception):  # the store is gone: the watcher has ended
-            self._store.set(self._wake(self._rank), b"closed")
-        if self._thread is not threading.current_thread():
-            self._thread.join(timeout=1.0)
+            self._ask(self._store.set, self._wake(self._rank), b"closed")
+        deadline = time.monotonic() + 1.0
+        for thread in (self._thread, self._beating):
+            if thread is not threading.current_thread() and not self._silent:
+                thread.join(timeout=max(0.0, deadline - time.monotonic()))
 
     def _wake(self, rank: int) -> str:
         return f"{self._prefix}/wake/{rank}"
+
+    def _alive(self, rank: int) -> str:
+        return f"{self._prefix}/alive/{rank}"
 
     def _watch(self) -> None:
         """Block on this rank's wake-up key (re-armed each hour) until a failure or close."""
@@ -197,6 +309,82 @@ class FaultChannel:
                 return
             if self._stop.is_set() or self.check() is not None:
                 return
+            # NOTE: woken with no valid record (a forged one, or none): wait again
+            with contextlib.suppress(Exception):
+                self._ask(self._store.delete_key, self._wake(self._rank))
+
+    def _beat_while_busy(self) -> None:
+        """Every ``beat`` s while busy, write this rank's beat count and progress."""
+        while not self._stop.wait(self._beat):
+            if self.failure is not None or self._silent:
+                return  # NOTE: nobody waits for this rank any more, or the store is gone
+            if not self._busy:
+                continue
+            self._beats += 1
+            record = {"beat": self._beats, "busy": True, **self.progress()}
+            try:
+                self._ask(self._store.set, self._alive(self._rank), json.dumps(record))
+            except Exception:
+                return
+
+    def _records(self, ranks: Sequence[int]) -> dict[int, dict[str, Any] | None]:
+        """Each of ``ranks``' last beat record (None where it never beat)."""
+        keys = [self._alive(r) for r in ranks]
+        present = self._ask(self._store.check, keys) if keys else True
+        records: dict[int, dict[str, Any] | None] = {}
+        for rank, key in zip(ranks, keys):
+            records[rank] = None
+            if present or self._ask(self._store.check, [key]):
+                with contextlib.suppress(ValueError):
+                    records[rank] = json.loads(self._ask(self._store.get, key))
+        return records
+
+    def _ask(self, request: Callable[..., Any], *args: Any) -> Any:
+        """``request(*args)`` on the store, or StoreSilent if no answer comes within ``ask`` s.
+
+        NOTE: a TCPStore client waits for a stopped server forever, whatever its timeout;
+        the request runs in a thread of its own, left behind if the store never answers.
+        """
+        if self._silent:
+            raise StoreSilent("the store did not answer before")
+        answer: list[Any] = []
+        done = threading.Event()
+
+        def run() -> None:
+            try:
+                answer.append((True, request(*args)))
+            except BaseException as error:
+                answer.append((False, error))
+            done.set()
+
+        threading.Thread(target=run, name="gpipe-store-request", daemon=True).start()
+        deadline = time.monotonic() + self._ask_within
+        while not done.wait(0.05):
+            if self._silent or time.monotonic() > deadline:  # NOTE: or another request found
+                self._silent = True
+                raise StoreSilent(f"the store did not answer within {self._ask_within:g} s")
+        ok, value = answer[0]
+        if not ok:
+            raise value
+        return value
+
+    def _signed(self, failure: Failure) -> bytes:
+        body = json.dumps(asdict(failure), sort_keys=True)
+        return json.dumps({"failure": body, "mac": self._mac(body)}).encode()
+
+    def _verified(self, payload: bytes) -> Failure | None:
+        """The failure in ``payload``, or None if its MAC is not ours (a forged record)."""
+        try:
+            record = json.loads(payload.decode())
+            body, mac = record["failure"], record["mac"]
+            if not hmac.compare_digest(mac, self._mac(body)):
+                return None
+            return Failure(**json.loads(body))
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+            return None
+
+    def _mac(self, body: str) -> str:
+        return hmac.new(self._token, body.encode(), hashlib.sha256).hexdigest()
 
     def _heard(self, failure: Failure) -> None:
         with self._lock:
@@ -204,6 +392,20 @@ class FaultChannel:
                 return
             self.failure = failure
         self._on_failure(failure)
+
+
+def _silent_store(what: str) -> Failure:
+    """A failure naming the store's host, when the store itself stopped answering."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
+        return Failure(
+            -1,
+            f"the job's store (torchrun's agent) stopped answering: its node hung or died; {what}",
+        )
+    return Failure(
+        0,
+        f"it stopped answering, and the job's store, which it hosts, is silent too (rank 0 "
+        f"stopped, or its host hung); {what}",
+    )
 
 
 def _own_client(store: Any) -> Any:
@@ -223,12 +425,12 @@ def _own_client(store: Any) -> Any:
     )
 
 
-def _load(payload: bytes) -> Failure:
-    return Failure(**json.loads(payload.decode()))
-
-
 def wait_for(
-    work: Any, faults: FaultChannel, failed: Callable[[], Failure | None], rank: int
+    work: Any,
+    faults: FaultChannel,
+    failed: Callable[[], Failure | None],
+    rank: int,
+    ranks: Sequence[int] | None = None,
 ) -> None:
     """Wait for a torch.distributed ``work``, or for a failure anywhere, whichever comes first.
 
@@ -237,15 +439,19 @@ def wait_for(
     fault channel sets): a rank that fails while the others sit in a collective still ends
     them all at once.
 
+    Args:
+        ranks: the collective's ranks, among which a silent one is looked for if a link
+            breaks with no report (default: every rank).
+
     Raises:
-        PipelineFailure: a rank reported a failure, or a link broke (its cause named if
-            the failing rank reported one within a second).
+        PipelineFailure: a rank reported a failure, or a link broke (the rank that failed
+            named, see :meth:`FaultChannel.culprit`).
     """
     if work.is_completed():  # NOTE: often so (a loss sent long ago): no thread to start
         try:
             work.wait()
         except Exception as error:
-            raise PipelineFailure(_cause(error, faults, failed), rank) from error
+            raise PipelineFailure(_cause(error, faults, failed, ranks), rank) from error
         return
     done = threading.Event()
     broke: list[BaseException] = []
@@ -264,16 +470,18 @@ def wait_for(
         if failure is not None:
             raise PipelineFailure(failure, rank)
     if broke:
-        raise PipelineFailure(_cause(broke[0], faults, failed), rank) from broke[0]
+        raise PipelineFailure(_cause(broke[0], faults, failed, ranks), rank) from broke[0]
 
 
 def _cause(
-    error: BaseException, faults: FaultChannel, failed: Callable[[], Failure | None]
+    error: BaseException,
+    faults: FaultChannel,
+    failed: Callable[[], Failure | None],
+    ranks: Sequence[int] | None,
 ) -> Failure:
-    """Why a link broke: the failure some rank reported, if it comes within a second."""
-    for _ in range(10):
-        failure = failed() or faults.check()
-        if failure is not None:
-            return failure
-        time.sleep(0.1)
-    return Failure(-1, f"a rank left the job without reporting why ({brief(error)})")
+    """Why a collective's link broke: a reported failure, else the rank that fell silent."""
+    failure = failed()
+    if failure is not None:
+        return failure
+    what = f"a link of a collective broke ({brief(error)})"
+    return faults.culprit(-1, ranks, what)

@@ -16,7 +16,9 @@ from gpipe.distributed.mesh import collective_device
 __all__ = ["check_same_everywhere"]
 
 
-def check_same_everywhere(settings: dict[str, Any], wait: Callable[[Any], None]) -> None:
+def check_same_everywhere(
+    settings: dict[str, Any], wait: Callable[[Any], None], group: Any = None
+) -> None:
     """Compare this rank's ``settings`` (and versions) with every rank's.
 
     A collective over the whole job, of two numbers per rank: the lowest and highest hash
@@ -28,6 +30,7 @@ def check_same_everywhere(settings: dict[str, Any], wait: Callable[[Any], None])
     Args:
         settings: JSON-able values every rank must share.
         wait: waits for a collective's work, or raises if a rank failed meanwhile.
+        group: every rank of the job (by default the default group).
 
     Raises:
         ValueError: on every rank, when any rank's settings differ from rank 0's.
@@ -35,20 +38,21 @@ def check_same_everywhere(settings: dict[str, Any], wait: Callable[[Any], None])
     mine = {**settings, "torch": torch.__version__, "gpipe": gpipe.__version__}
     text = json.dumps(mine, sort_keys=True, default=repr).encode()
     code = zlib.crc32(text)
-    device = collective_device(dist.group.WORLD)
+    device = collective_device(group or dist.group.WORLD)
     low = torch.tensor([code], dtype=torch.int64, device=device)
     high = low.clone()
-    wait(dist.all_reduce(low, dist.ReduceOp.MIN, async_op=True))
-    wait(dist.all_reduce(high, dist.ReduceOp.MAX, async_op=True))
+    wait(dist.all_reduce(low, dist.ReduceOp.MIN, group=group, async_op=True))
+    wait(dist.all_reduce(high, dist.ReduceOp.MAX, group=group, async_op=True))
     if int(low) == int(high):
         return
-    everyone = [json.loads(data) for data in _gathered(text, device, wait)]
+    everyone = [json.loads(data) for data in _gathered(text, device, wait, group)]
     for rank, theirs in enumerate(everyone):
         differ = [key for key in everyone[0] if theirs.get(key) != everyone[0][key]]
         if differ:
             shown = ", ".join(
-                f"{key}: rank 0 has {everyone[0][key]!r}, rank {rank} has {theirs.get(key)!r}"
+                f"{key}: rank 0 has {ours!r}, rank {rank} has {other!r}"
                 for key in differ
+                for ours, other in [_first_difference(everyone[0][key], theirs.get(key))]
             )
             raise ValueError(
                 f"the ranks built different pipes ({shown}): every rank must construct "
@@ -56,15 +60,27 @@ def check_same_everywhere(settings: dict[str, Any], wait: Callable[[Any], None])
             )
 
 
-def _gathered(data: bytes, device: torch.device, wait: Callable[[Any], None]) -> list[bytes]:
+def _first_difference(ours: Any, theirs: Any) -> tuple[Any, Any]:
+    """The first differing entries of two lists (a model's tensors: the one that differs, not
+    thousands), or the values themselves."""
+    if isinstance(ours, list) and isinstance(theirs, list) and len(ours) == len(theirs):
+        for a, b in zip(ours, theirs):
+            if a != b:
+                return a, b
+    return ours, theirs
+
+
+def _gathered(
+    data: bytes, device: torch.device, wait: Callable[[Any], None], group: Any
+) -> list[bytes]:
     """Every rank's ``data``, gathered as padded byte tensors."""
-    world = dist.get_world_size()
+    world = dist.get_world_size(group)
     size = torch.tensor([len(data)], dtype=torch.int64, device=device)
     sizes = [torch.zeros_like(size) for _ in range(world)]
-    wait(dist.all_gather(sizes, size, async_op=True))
+    wait(dist.all_gather(sizes, size, group=group, async_op=True))
     longest = max(int(n) for n in sizes)
     padded = torch.zeros(longest, dtype=torch.uint8, device=device)
     padded[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     gathered = [torch.empty_like(padded) for _ in range(world)]
-    wait(dist.all_gather(gathered, padded, async_op=True))
+    wait(dist.all_gather(gathered, padded, group=group, async_op=True))
     return [bytes(t.cpu()[: int(n)].tolist()) for t, n in zip(gathered, sizes)]

@@ -15,8 +15,11 @@ Process groups are made once per layout and timeout and shared by every pipe ove
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
+import secrets
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["Groups", "Layout", "device", "groups_for"]
+__all__ = ["Groups", "Layout", "device", "everyone", "groups_for", "retire"]
 
 
 @dataclass(frozen=True)
@@ -75,6 +78,8 @@ class Groups:
     control: Any
     replicas: Any
     mesh: DeviceMesh
+    column: Any = None  # the replicas' group even without dp (the mesh holds it), to end it
+    retired: bool = False  # a step over them failed: see retire
 
 
 def collective_device(group: Any) -> torch.device:
@@ -131,23 +136,90 @@ def groups_for(layout: Layout, timeout: float, device_type: str) -> Groups:
             mesh=torch.tensor(layout.grid()),
             mesh_dim_names=("dp", "pp"),
         )
-        _CACHE[key] = Groups(pipeline, control, replicas if layout.dp > 1 else None, mesh)
+        _CACHE[key] = Groups(
+            pipeline, control, replicas if layout.dp > 1 else None, mesh, column=replicas
+        )
     return _CACHE[key]
 
 
-def forget(groups: Groups) -> None:
-    """Drop ``groups`` from the cache, so the next pipe of their layout makes its own.
+def retire(groups: Groups, extra: Sequence[Any] = ()) -> None:
+    """End a failed step's groups (and ``extra`` ones): no pipe uses them again.
 
     A step that failed can leave work posted on its groups (a broadcast of the loss, a
-    receive from the failed rank), which would meet the next pipe's first messages; every
-    rank of a failed step forgets its groups alike, so every rank makes new ones.
+    receive from the failed rank), which would meet the next pipe's first messages, and
+    threads of this rank still waiting in it. Every rank of a failed step retires its groups
+    alike, so every rank makes new ones; each group's links are closed (which fails the
+    work still waiting on them, ending those threads now) and the group is destroyed, so a
+    job that retries keeps its threads and sockets flat.
     """
     for key, cached in list(_CACHE.items()):
         if cached is groups:
             del _CACHE[key]
-    # NOTE: on NCCL a receive that will never match stays on the group's stream, and the
-    # watchdog would kill the process over it: aborting the failed step's groups drops it
-    # (gloo's abort cannot wake a wait, and its pending work ends with its links).
-    for group in {id(g): g for g in (groups.pipeline, groups.replicas) if g is not None}.values():
+    groups.retired = True
+    end([groups.pipeline, groups.control, groups.column, *extra])
+    # NOTE: a destroyed group's threads and sockets go only with its last reference, and a
+    # pipe lives in reference cycles that the collector may free late
+    groups.pipeline = groups.control = groups.replicas = groups.column = None
+
+
+def end(groups: Sequence[Any]) -> None:
+    """Close every link of each of ``groups`` and destroy it (each once; None skipped)."""
+    unique = {id(g): g for g in groups if g is not None}
+    for group in unique.values():
+        # NOTE: on NCCL a receive that will never match stays on the group's stream, and the
+        # watchdog would kill the process over it: aborting the group drops it. On gloo a
+        # receive that times out closes its pair, failing every wait on it. (gloo's abort
+        # wakes the waits too, but a job that aborted a group after each failure hung
+        # within 40 retries: another group's sends stopped posting.)
         if str(dist.get_backend(group)) == "nccl":
-            group.abort()
+            with contextlib.suppress(Exception):
+                group.abort()
+        else:
+            close_links(group)
+    for group in unique.values():
+        with contextlib.suppress(Exception):  # already destroyed with the default group
+            dist.destroy_process_group(group)
+
+
+def close_links(group: Any) -> None:
+    """Close this rank's gloo pair to every other rank of ``group``: what waits on them fails."""
+    me = dist.get_rank(group)
+    for peer in range(dist.get_world_size(group)):
+        if peer == me:
+            continue
+        with contextlib.suppress(Exception):  # timed out, as meant (or closed already)
+            group.recv([torch.empty(1)], peer, _CLOSE_TAG).wait(_AT_ONCE)
+
+
+_AT_ONCE = datetime.timedelta(milliseconds=1)
+_CLOSE_TAG = 3  # never sent: a receive on it times out, closing its pair (see close_links)
+_EVERYONE: dict[float, tuple[Any, bytes]] = {}
+
+
+def everyone(timeout: float) -> tuple[Any, bytes]:
+    """A gloo group of every rank, for the pipe's own collectives while it is being built,
+    and a secret token every rank of it shares.
+
+    Not the default group: a rank that fails mid-construction leaves the others' collective
+    posted, and retiring a group of our own (see :func:`end`) keeps the user's default group
+    clean. The token (rank 0's random bytes, broadcast over the group, never through the
+    store) signs the fault channel's records, so another client of the store cannot forge
+    one. Made once per process and timeout; every rank must ask, in the same order.
+    """
+    if timeout not in _EVERYONE:
+        limit = datetime.timedelta(seconds=timeout)
+        group = dist.new_group(timeout=limit, backend="gloo")
+        token = torch.zeros(32, dtype=torch.uint8)
+        if dist.get_rank() == 0:
+            token = torch.frombuffer(bytearray(secrets.token_bytes(32)), dtype=torch.uint8)
+        dist.broadcast(token, 0, group=group)
+        _EVERYONE[timeout] = (group, bytes(token.tolist()))
+    return _EVERYONE[timeout]
+
+
+def retire_everyone(group: Any) -> None:
+    """End ``group`` (from :func:`everyone`) after a failure; the next pipe makes a new one."""
+    for key, (cached, _) in list(_EVERYONE.items()):
+        if cached is group:
+            del _EVERYONE[key]
+    end([group])

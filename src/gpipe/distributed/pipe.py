@@ -17,6 +17,7 @@ import itertools
 import os
 import weakref
 from collections.abc import Callable, Iterator, Sequence
+from functools import partial
 from typing import Any
 
 import torch
@@ -44,11 +45,18 @@ from gpipe.dataflow import Stages, named_batch_dims
 from gpipe.distributed.clipping import clip_grad_norm_
 from gpipe.distributed.clock import offsets_to_rank0
 from gpipe.distributed.executor import Executor
-from gpipe.distributed.faults import Failure, FaultChannel, PipelineFailure, wait_for
+from gpipe.distributed.faults import Failure, FaultChannel, PipelineFailure, brief, wait_for
 from gpipe.distributed.fingerprint import check_same_everywhere
 from gpipe.distributed.link import measure_link
 from gpipe.distributed.materialize import keep_only
-from gpipe.distributed.mesh import Layout, collective_device, forget, groups_for
+from gpipe.distributed.mesh import (
+    Layout,
+    collective_device,
+    everyone,
+    groups_for,
+    retire,
+    retire_everyone,
+)
 from gpipe.distributed.mesh import device as default_device
 from gpipe.distributed.naming import state_names, under_stage, user_view
 from gpipe.distributed.protocol import Programs, settings_code, shapes_code
@@ -88,16 +96,16 @@ _LOSS_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 def close_all() -> bool:
     """Stop every open pipe's threads; whether none of them saw a failure.
 
-    A pipe that failed may have threads still waiting in gloo: its links are closed so
-    they end now, not as the interpreter finalizes (see Executor.release).
+    A pipe that failed may have threads still waiting in gloo: its groups are retired, so
+    they end now, not as the interpreter finalizes (see mesh.end).
     """
     healthy = True
     for pipe in list(_OPEN):
-        failed = pipe._transport.failure is not None
-        healthy = healthy and not failed
-        pipe.close()
-        if failed:
-            pipe._transport.release()
+        if pipe._transport.failure is None:
+            pipe.close()
+        else:
+            healthy = False
+            pipe._release()
     return healthy
 
 
@@ -186,6 +194,7 @@ class DistributedGPipe(StepSettings, nn.Module):
         # 0's); torch offers no public accessor for it.
         store = dist.distributed_c10d._get_default_store()
         self._state: StepState | None = None
+        self._collective_waits = 0  # collectives this rank waits in now (see _progress)
         me = weakref.ref(self)
 
         def on_failure(failure: Failure) -> None:  # the watcher must not keep the pipe alive
@@ -194,22 +203,53 @@ class DistributedGPipe(StepSettings, nn.Module):
                 pipe._on_failure(failure)
 
         self.rank = dist.get_rank()
-        self._faults = FaultChannel(
-            store, f"gpipe/pipe{next(_COUNTER)}", self.rank, on_failure, dist.get_world_size()
-        )
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
+            raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
+        # NOTE: first, before any check that could fail on one rank alone: making a group
+        # waits for every rank, and nothing could wake a rank waiting there
         try:
-            self._construct(
-                module, balance, chunks, checkpoint, schedule, virtual_stages, dp_size, zero,
-                tied, init_fn, timeout, track_memory, deferred_batch_norm, input_batch_dims,
-                output_batch_dims, overlap,
-            )  # fmt: skip
+            self._everyone, token = everyone(float(timeout))
+        except RuntimeError as error:  # NOTE: DistStoreError and gloo's errors alike
+            raise RuntimeError(
+                f"gpipe: not every rank began building the pipe within timeout={timeout:g} s "
+                f"(a rank died, hung, or does not construct DistributedGPipe): {brief(error)}"
+            ) from error
+        self._faults = FaultChannel(
+            store,
+            f"gpipe/pipe{next(_COUNTER)}",
+            self.rank,
+            on_failure,
+            dist.get_world_size(),
+            token=token,
+        )
+
+        def progress() -> dict[str, Any]:  # NOTE: weakly, as on_failure
+            pipe = me()
+            return {} if pipe is None else pipe._progress()
+
+        self._faults.progress = progress
+        try:
+            with self._faults.busy():
+                self._construct(
+                    module, balance, chunks, checkpoint, schedule, virtual_stages, dp_size,
+                    zero, tied, init_fn, timeout, track_memory, deferred_batch_norm,
+                    input_batch_dims, output_batch_dims, overlap,
+                )  # fmt: skip
         except BaseException as error:
             if not isinstance(error, PipelineFailure):
                 first = next(iter(str(error).splitlines()), "")
                 self._faults.publish(
                     Failure(self.rank, f"{type(error).__name__} while building the pipe: {first}")
                 )
+            self._faults.acknowledge(dist.get_world_size())
             self._faults.close()
+            # NOTE: a collective of construction may still be posted here (the others'
+            # barrier when this rank failed, or ours when another did)
+            groups = self.__dict__.get("groups")
+            if groups is not None:
+                retire(groups, self.__dict__.get("_tie_groups", ()))
+            if "_everyone" in self.__dict__:
+                retire_everyone(self._everyone)
             raise
 
     def _construct(
@@ -243,8 +283,6 @@ class DistributedGPipe(StepSettings, nn.Module):
         check_flag("deferred_batch_norm", deferred_batch_norm)
         if isinstance(dp_size, bool) or not isinstance(dp_size, int) or dp_size < 1:
             raise ValueError(f"dp_size must be a whole number >= 1, got {dp_size!r}")
-        if not timeout > 0:
-            raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
         world = dist.get_world_size()
         if world % dp_size:
             raise ValueError(
@@ -304,10 +342,11 @@ class DistributedGPipe(StepSettings, nn.Module):
                 "dp_size": dp_size,
                 "zero": zero,
                 "layers": [type(layer).__name__ for layer in module],
-                "shapes": [[n, list(p.shape)] for n, p in module.named_parameters()],
+                "tensors": _tensor_kinds(module),
                 "dataflow": None if flow is None else repr(flow.dataflow),
             },
             self._wait,
+            self._everyone,
         )
 
         if deferred_batch_norm:
@@ -328,7 +367,7 @@ class DistributedGPipe(StepSettings, nn.Module):
         keep_only(partitions, held, self.torch_device, init_fn)
         # NOTE: every rank built its stages (init_fn ran) before any makes groups: a rank
         # that failed has said so, and the others hear it here
-        self._wait(dist.barrier(async_op=True))
+        self._wait(dist.barrier(self._everyone, async_op=True))
         self.partitions = nn.ModuleList([p for p in held if p is not None])
         self._deferred = [
             m for p in self.partitions for m in p.modules() if isinstance(m, DeferredBatchNorm)
@@ -341,10 +380,12 @@ class DistributedGPipe(StepSettings, nn.Module):
 
         self.groups = groups_for(self.layout, self.timeout, self.torch_device.type)
         self.mesh = self.groups.mesh
-        groups = tie_groups(self.ties, self.layout.grid(), datetime.timedelta(seconds=self.timeout))
+        self._tie_groups = tie_groups(
+            self.ties, self.layout.grid(), datetime.timedelta(seconds=self.timeout)
+        )
         self._tied = TiedWeights(
             self.ties,
-            groups,
+            self._tie_groups,
             self.local_stages,
             self.layout.position,
             self.layout.pipeline,
@@ -366,7 +407,7 @@ class DistributedGPipe(StepSettings, nn.Module):
             self.timeout,
             self._faults.publish,
             overlap,
-            self._faults.check,
+            partial(_culprit, self._faults, pipeline),
         )
         self._last: tuple[Step, Schedule] | None = None
         self._shapes = 0  # the step's input shapes, as a number (see _begin)
@@ -623,6 +664,15 @@ class DistributedGPipe(StepSettings, nn.Module):
         transport = self.__dict__.get("_transport")
         if transport is not None:  # NOTE: none if building the pipe failed
             transport.close()
+        _OPEN.discard(self)
+
+    def _release(self) -> None:
+        """After a failed step: end everything this pipe made (threads, process groups), so
+        a job that builds a new pipe and retries leaks nothing (see mesh.retire)."""
+        self._faults.close()
+        retire(self.groups, self._tie_groups)
+        self._transport.release()
+        _OPEN.discard(self)
 
     def __del__(self) -> None:
         if self.__dict__.get("_faults") is not None:
@@ -821,8 +871,14 @@ class DistributedGPipe(StepSettings, nn.Module):
     def _failing_together(self) -> Iterator[None]:
         """A step that fails on any rank fails on every rank, all naming the same cause."""
         self._ran = False
+        if self.groups.retired:
+            raise RuntimeError(
+                "this pipe's process groups were ended after a step of another pipe over "
+                "them failed: build a new DistributedGPipe"
+            )
         try:
-            yield
+            with self._faults.busy():
+                yield
         except BaseException as error:
             self._announced = None
             if self._transport.failure is None and not self._ran:
@@ -831,8 +887,8 @@ class DistributedGPipe(StepSettings, nn.Module):
                 # error after them (an eval output that cannot be gathered) is this rank's.
                 self._transport.abort(error)
             if self._transport.failure is not None or isinstance(error, PipelineFailure):
-                forget(self.groups)
                 self._faults.acknowledge(dist.get_world_size())
+                self._release()
             raise
 
     def _summed(self, scalar: torch.Tensor, group: Any) -> torch.Tensor:
@@ -849,7 +905,18 @@ class DistributedGPipe(StepSettings, nn.Module):
     def _wait(self, work: Any) -> None:
         transport = self.__dict__.get("_transport")
         failed = (lambda: transport.failure) if transport else (lambda: self._faults.failure)
-        wait_for(work, self._faults, failed, self.rank)
+        self._collective_waits += 1
+        try:
+            wait_for(work, self._faults, failed, self.rank)
+        finally:
+            self._collective_waits -= 1
+
+    def _progress(self) -> dict[str, Any]:
+        """How far this rank got, for its fault channel's beats (read from their thread)."""
+        transport = self.__dict__.get("_transport")
+        done = 0 if transport is None else transport.done
+        waiting = self._collective_waits > 0 or (transport is not None and transport.waiting)
+        return {"done": done, "waiting": waiting, "doing": "a step" if transport else "building"}
 
     def _on_failure(self, failure: Failure) -> None:
         state = self._state
@@ -858,6 +925,19 @@ class DistributedGPipe(StepSettings, nn.Module):
         transport = self.__dict__.get("_transport")
         if transport is not None:  # NOTE: none yet while the pipe is being built
             transport.fail(failure)
+
+
+def _culprit(faults: FaultChannel, ranks: list[int], suspect: int, what: str) -> Failure:
+    """Whom a failed wait for ``suspect`` names (a function, not a lambda over the pipe: the
+    executor holding the pipe would keep it alive in a cycle)."""
+    return faults.culprit(suspect, ranks, what)
+
+
+def _tensor_kinds(module: nn.Module) -> list[list[Any]]:
+    """Every parameter's and buffer's name, shape and dtype (meta ones too): ranks built with
+    another width or dtype differ here."""
+    tensors = itertools.chain(module.named_parameters(), module.named_buffers())
+    return [[name, list(t.shape), str(t.dtype).removeprefix("torch.")] for name, t in tensors]
 
 
 def _balance(module: nn.Sequential, balance: Any, stages: int) -> Any:

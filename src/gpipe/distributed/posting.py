@@ -18,10 +18,12 @@ the same on every backend; a poster only puts a batch's messages on the wire:
 
 from __future__ import annotations
 
+import inspect
 import os
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -63,9 +65,19 @@ class Poster:
     def __init__(self, group: Any, timeout: float, on_error: Callable[[int, BaseException], None]):
         self.group = group
         self.timeout = timeout
-        self.on_error = on_error  # (peer, error): a link failed
+        # NOTE: held weakly: the executor holds the poster, and a cycle between them would
+        # keep a closed pipe's process groups (threads, sockets) until the collector runs
+        self._on_error = (
+            weakref.WeakMethod(on_error) if inspect.ismethod(on_error) else lambda: on_error
+        )
         self.box = Mailbox()  # finished receives, keyed by id(message)
         self._peers: dict[int, int] = {}
+
+    def on_error(self, peer: int, error: BaseException) -> None:
+        """A link to ``peer`` failed: tell the executor (if it still exists)."""
+        handler = self._on_error()
+        if handler is not None:
+            handler(peer, error)
 
     def post(self, batch: list[Message]) -> None:
         """Put ``batch`` on the wire, in order; never waits for it."""
