@@ -14,6 +14,7 @@ from gpipe.analysis import Event
 from gpipe.batchnorm import recomputing
 from gpipe.checkpoint import checkpointed
 from gpipe.randomness import LOSS_KEY
+from gpipe.randomness.streams import GeneratorStates
 from gpipe.runtime.saved import SavedBytes, gradient_bytes, storage_keys, tensor_bytes
 from gpipe.runtime.split_backward import backward_input, backward_weight
 from gpipe.runtime.stages import StageSet
@@ -23,6 +24,8 @@ from gpipe.schedule import BACKWARD, FORWARD, Action
 from gpipe.structure import leaves, map_tensors
 
 __all__ = ["StageWorker"]
+
+_ENGINE: Any = torch.autograd.Variable._execution_engine
 
 
 def _as_leaves(value: Any) -> Any:
@@ -82,6 +85,8 @@ def _for_next_stage(value: Any) -> Any:
 
 def _shapes(value: Any) -> tuple[Any, ...]:
     """What the bytes a forward saves depend on: each tensor's shape, dtype and grad flag."""
+    if isinstance(value, torch.Tensor):  # NOTE: the common case, twice per forward
+        return ((value.shape, value.dtype, value.requires_grad),)
     return tuple(
         (tuple(leaf.shape), leaf.dtype, leaf.requires_grad)
         if isinstance(leaf, torch.Tensor)
@@ -107,6 +112,38 @@ def _versions(value: Any) -> Any:
         except RuntimeError:
             return None
     return [_versions(leaf) for leaf in leaves(value) if isinstance(leaf, torch.Tensor)]
+
+
+def _backward(roots: list[tuple[Any, torch.Tensor | None]], retain_graph: bool) -> None:
+    """``torch.autograd.backward`` of ``roots`` (output, its gradient or None for a scalar).
+
+    NOTE: for plain tensors this goes to the autograd engine directly: the Python wrapper
+    around it (argument checks, a gradient made for each scalar, a context stashed for the
+    engine's device threads, which a worker never uses: it runs its backward itself) cost
+    about 15 us per backward, on every stage's every backward. The engine still checks each
+    gradient against its output (shape, dtype, device). Anything else (a tensor subclass, a
+    non-scalar output without a gradient) takes the wrapper, which handles and explains it.
+    """
+    outputs, grads = [], []
+    for output, grad in roots:
+        if type(output) is not torch.Tensor or not (
+            type(grad) is torch.Tensor or (grad is None and output.dim() == 0)
+        ):
+            torch.autograd.backward(
+                [r for r, _ in roots], [g for _, g in roots], retain_graph=retain_graph
+            )
+            return
+        outputs.append(output)
+        grads.append(torch.ones_like(output) if grad is None else grad)
+    _ENGINE.run_backward(
+        tuple(outputs),
+        tuple(grads),
+        retain_graph,
+        False,  # create_graph
+        (),  # inputs: every leaf
+        allow_unreachable=True,
+        accumulate_grad=True,
+    )
 
 
 def _copy(value: Any) -> Any:
@@ -151,6 +188,9 @@ class StageWorker:
         self._params: dict[int, set[int]] = {}
         self._trainables: dict[int, list[torch.Tensor]] = {}
         self._redone = False  # whether the last _run redid its forward (see _run)
+        # The default generators' states as this worker's last forward left them, within
+        # one run (see StageForward): between runs the caller may draw.
+        self._watched: GeneratorStates | None = None
         # On a GPU, each action's start and end are CUDA events on its stream, read when the
         # timeline is (StepState.settle), against an event recorded as each run began.
         self._timed = self.torch_device.type == "cuda"
@@ -174,6 +214,7 @@ class StageWorker:
         )
         context = self.state.context
         after = self.state.after
+        self._watched = None
         with (
             context.entered() if context else contextlib.nullcontext(),
             on_device,
@@ -305,9 +346,7 @@ class StageWorker:
                 ) from error
         else:
             if roots:
-                torch.autograd.backward(
-                    [r for r, _ in roots], [g for _, g in roots], retain_graph=step.retain_graph
-                )
+                _backward(roots, step.retain_graph)
             found = [leaf.grad for leaf in wanted]
             for leaf in wanted:  # sent on below; a second backward must not add to it
                 leaf.grad = None
@@ -414,7 +453,9 @@ class StageWorker:
             step_seed=step.seed,
             microbatch=mb + step.microbatch_offset,
             stage=stage,
+            watched=self._watched,
         )
+        self._watched = None  # until this forward settles
 
         def call(given: Any) -> tuple[Any, torch.Tensor | None]:
             if layered:
@@ -444,12 +485,14 @@ class StageWorker:
             step.losses[mb] = value.detach()
             return output, value * loss.weights[mb]
 
-        with streams.attempt():
-            result = call(inputs)
+        streams.attempt()
+        result = call(inputs)
         while not streams.settled():
             self._redone = True
-            with recomputing(), streams.attempt():  # NOTE: batch statistics count once
+            streams.attempt()
+            with recomputing():  # NOTE: batch statistics count once
                 result = call(inputs if source is None else _copy(source))
+        self._watched = streams.watched
         return result
 
     def _learn_writes(
