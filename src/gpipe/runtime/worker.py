@@ -6,6 +6,7 @@ import contextlib
 import sys
 import time
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -191,6 +192,7 @@ class StageWorker:
         # The default generators' states as this worker's last forward left them, within
         # one run (see StageForward): between runs the caller may draw.
         self._watched: GeneratorStates | None = None
+        self._autocast_restored: Callable[[], AbstractContextManager[None]] | None = None
         # On a GPU, each action's start and end are CUDA events on its stream, read when the
         # timeline is (StepState.settle), against an event recorded as each run began.
         self._timed = self.torch_device.type == "cuda"
@@ -215,6 +217,19 @@ class StageWorker:
         context = self.state.context
         after = self.state.after
         self._watched = None
+        # NOTE: decided once per run: a recomputation needs the forward's autocast entered
+        # only when this run's differs (pipe(x) under autocast, loss.backward() outside).
+        forward = self.state.forward_context
+        self._autocast_restored = (
+            None
+            if forward is None
+            or (
+                context is not None
+                and (forward.autocast, forward.autocast_cache)
+                == (context.autocast, context.autocast_cache)
+            )
+            else forward.autocast_restored
+        )
         with (
             context.entered() if context else contextlib.nullcontext(),
             on_device,
@@ -308,9 +323,8 @@ class StageWorker:
             if self.stages.copies_input.get(key, True):
                 with torch.enable_grad():  # NOTE: a backward runs with grad mode off
                     given, source = _copy(given), saved.inputs
-            forward = step.forward_context  # recompute under the forward's autocast
-            autocast = forward.autocast_restored() if forward else contextlib.nullcontext()
-            with recomputing(), autocast:
+            restore = self._autocast_restored  # recompute under the forward's autocast
+            with recomputing(), restore() if restore else contextlib.nullcontext():
                 output, root, kept = self._forward_kept(stage, mb, given, source)
             saved.outputs = output if root is None else root
             recomputed = kept - saved.nbytes
