@@ -185,6 +185,7 @@ class StageWorker:
         self.torch_device = stages.devices[device]
         self.routes = stages.routes
         self.events: list[Event] = state.events[device]
+        self._last = stages.last
         self.held = 0  # bytes this device holds for backward right now
         self._params: dict[int, set[int]] = {}
         self._trainables: dict[int, list[torch.Tensor]] = {}
@@ -193,6 +194,7 @@ class StageWorker:
         # one run (see StageForward): between runs the caller may draw.
         self._watched: GeneratorStates | None = None
         self._autocast_restored: Callable[[], AbstractContextManager[None]] | None = None
+        self._autocast_key: tuple[Any, ...] = ()  # the forward's autocast, in saved_bytes keys
         # On a GPU, each action's start and end are CUDA events on its stream, read when the
         # timeline is (StepState.settle), against an event recorded as each run began.
         self._timed = self.torch_device.type == "cuda"
@@ -220,6 +222,7 @@ class StageWorker:
         # NOTE: decided once per run: a recomputation needs the forward's autocast entered
         # only when this run's differs (pipe(x) under autocast, loss.backward() outside).
         forward = self.state.forward_context
+        self._autocast_key = forward.autocast_key if forward is not None else ()
         self._autocast_restored = (
             None
             if forward is None
@@ -306,7 +309,7 @@ class StageWorker:
     def backward(self, action: Action) -> None:
         step, stage, mb = self.state, action.stage, action.microbatch
         saved = step.saved[stage, mb]
-        has_loss = step.loss is not None and stage == self.stages.last
+        has_loss = step.loss is not None and stage == self._last
         routes = self.routes
         if has_loss:
             grads = None
@@ -420,7 +423,7 @@ class StageWorker:
         if step.track_memory:
             module = self.stages.module(stage)
             target = _shapes(self._target(stage, mb))
-            autocast = step.forward_context.autocast_key if step.forward_context else ()
+            autocast = self._autocast_key
             key = (stage, module.training, _shapes(inputs), target, *autocast)
             known = self.stages.saved_bytes.get(key)
         if known is not None:
@@ -442,7 +445,7 @@ class StageWorker:
     def _target(self, stage: int, mb: int) -> Any:
         """The loss target of micro-batch ``mb`` if ``stage`` computes the loss, else None."""
         loss = self.state.loss
-        if loss is None or stage != self.stages.last:
+        if loss is None or stage != self._last:
             return None
         return loss.targets[mb]
 
@@ -459,7 +462,7 @@ class StageWorker:
         step = self.state
         module: Any = self.stages.module(stage)
         keys, layered = self.stages.keys[stage]
-        loss = step.loss if stage == self.stages.last else None
+        loss = step.loss if stage == self._last else None
         streams = self.stages.streams.forward(
             [*keys, *([LOSS_KEY] if loss is not None else [])],
             device=self.device,
