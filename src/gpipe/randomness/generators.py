@@ -166,6 +166,6 @@ class WorkerGenerators:
         try:
             shared = [_generator(name).get_state().numpy().tobytes() for name in self.shared]
         finally:
-            for lock in locks:
+            for lock in reversed(locks):
                 lock.release()
         return own, shared
