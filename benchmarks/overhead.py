@@ -23,7 +23,12 @@ c (hand-offs, Python, autograd, waiting for the GIL or a core), so
 and c = (slope - F - B) / 2, or (slope / K - F - B) / 2 for plain. The intercept (fill and
 drain, start-up) stays out of c. Every c includes what each sleep overshoots, printed
 beside it (``sleep_overshoot_us``): plain's c is that plus the autograd and Python cost of
-the layer itself, the floor any runtime pays.
+the layer itself, the floor any runtime pays. NOTE: the sleeps take no core, so K stage
+threads overlap on a host with fewer cores (K = 4 on 2): only each action's Python and
+autograd work competes for the cores and the GIL, and on a busy host each wake-up waits
+for a core. The figure beyond plain (``beyond_plain_ms``) moves with the host's load,
+printed at the start and the end; ``--turns`` repeats the fit, printing the median and the
+spread.
 
 Serial (``--serial``): the runtime's own CPU time per action, without threads. K stages
 of empty SleepLayers (no sleep) on K "cpu" devices; each step replays every device's actions
