@@ -23,18 +23,35 @@ c (hand-offs, Python, autograd, waiting for the GIL or a core), so
 and c = (slope - F - B) / 2, or (slope / K - F - B) / 2 for plain. The intercept (fill and
 drain, start-up) stays out of c. Every c includes what each sleep overshoots, printed
 beside it (``sleep_overshoot_us``): plain's c is that plus the autograd and Python cost of
-the layer itself, the floor any runtime pays.
+the layer itself, the floor any runtime pays. NOTE: the sleeps take no core, so K stage
+threads overlap on a host with fewer cores (K = 4 on 2): only each action's Python and
+autograd work competes for the cores and the GIL, and on a busy host each wake-up waits
+for a core. The figure beyond plain (``beyond_plain_ms``) moves with the host's load,
+printed at the start and the end; ``--turns`` repeats the fit, printing the median and the
+spread.
+
+Serial (``--serial``): the runtime's own CPU time per action, without threads. K stages
+of empty SleepLayers (no sleep) on K "cpu" devices; each step replays every device's actions
+on the calling thread in one dependency order, so no hand-off waits and no thread competes.
+Plain runs the same layers micro-batch by micro-batch. Both are timed by the thread's CPU
+clock (``time.thread_time``), in pairs; the per-action cost is the median over pairs of
+(pipe - plain) / 2KM. It is the bookkeeping (messages, random streams, memory counting,
+timeline) plus the pipe's extra autograd and module calls (one backward per stage, not
+one per micro-batch).
 
     python benchmarks/overhead.py [--microbatches 8] [--steps 30] [--stages 2 4 8]
     python benchmarks/overhead.py --no-fit        # the one-stage comparison only
+    python benchmarks/overhead.py --serial        # the serial replay only
+    python benchmarks/overhead.py --no-one-stage --stages 4 --turns 5 --no-torch
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from torch.nn import functional as F
@@ -42,6 +59,9 @@ from torch.nn import functional as F
 import torch_reference
 from gpipe import GPipe, scatter
 from gpipe.models import GPTConfig, gpt, gpt_loss, sleep_stages, synthetic_tokens
+from gpipe.runtime.context import CallerContext
+from gpipe.runtime.step import Step
+from gpipe.schedule import FORWARD, Action, Schedule, dependencies
 from host import sleep_overshoot_us
 
 _SCHEDULES = ("gpipe", "1f1b")
@@ -204,6 +224,126 @@ def per_action(args: argparse.Namespace) -> dict[str, object]:
     return fields
 
 
+def _serial_order(actions: Sequence[Sequence[Action]], stages: int) -> list[tuple[int, Action]]:
+    """Every device's actions in one order that meets their dependencies, each device's in
+    its own order."""
+    done: set[Action] = set()
+    order: list[tuple[int, Action]] = []
+    at = [0] * len(actions)
+    while len(order) < sum(map(len, actions)):
+        for d, listed in enumerate(actions):
+            while at[d] < len(listed) and all(
+                x in done for x in dependencies(listed[at[d]], stages)
+            ):
+                done.add(listed[at[d]])
+                order.append((d, listed[at[d]]))
+                at[d] += 1
+    return order
+
+
+def _replayed_serially(pipe: GPipe) -> GPipe:
+    """``pipe``, its steps replaying every device's actions on the calling thread."""
+    orders: dict[int, list[tuple[int, Action]]] = {}
+
+    def run(step: Step, schedule: Schedule) -> None:
+        order = orders.get(id(schedule))
+        if order is None:
+            order = orders[id(schedule)] = _serial_order(schedule.actions, step.stages.count)
+        state = step.state
+        state.context = CallerContext.capture(step.stages.devices)
+        state.forward_context = state.forward_context or state.context.autocast_only()
+        workers = step._workers
+        for worker in workers:
+            worker._watched = None
+        with torch.autograd.set_multithreading_enabled(False):
+            for d, action in order:
+                worker = workers[d]
+                if action.kind == FORWARD:
+                    worker.forward(action)
+                else:
+                    worker.backward(action)
+        state.context = None
+
+    pipe._run_committing = run  # type: ignore[method-assign]
+    return pipe
+
+
+def _serial_cpu(schedule: str, k: int, m: int, steps: int) -> tuple[list[float], list[float]]:
+    """CPU seconds of each replayed pipe step and each plain step, taken in pairs."""
+    pipe = _replayed_serially(
+        GPipe(
+            sleep_stages(k, 0, 0),
+            [1] * k,
+            devices=["cpu"] * k,
+            chunks=m,
+            checkpoint="never",
+            schedule=schedule,
+        )
+    )
+    model = sleep_stages(k, 0, 0)
+    x, target = torch.randn(m, 4, requires_grad=True), torch.randn(m, 4)
+
+    def plain() -> None:
+        for xi, ti in zip(x.split(1), target.split(1)):
+            (F.mse_loss(model(xi), ti) / m).backward()
+
+    runs = [lambda: pipe.train_step(x, target, F.mse_loss), plain]
+    for run in runs:  # warm-up: the first step probes every layer
+        run()
+        run()
+    cpu: list[list[float]] = [[], []]
+    for _ in range(steps):
+        for seconds, run in zip(cpu, runs):
+            began = time.thread_time()
+            run()
+            seconds.append(time.thread_time() - began)
+    return cpu[0], cpu[1]
+
+
+def serial(args: argparse.Namespace) -> dict[str, object]:
+    """The runtime's CPU time per action, replayed on one thread; the RESULT fields."""
+    k, m = args.serial_stages, args.serial_microbatches
+    actions = 2 * k * m
+    fields: dict[str, object] = {}
+    plains: list[float] = []
+    for name in _SCHEDULES:
+        pipe, plain = _serial_cpu(name, k, m, args.serial_steps)
+        plains += plain
+        beyond = statistics.median(a - b for a, b in zip(pipe, plain)) / actions
+        own = statistics.median(pipe) / actions
+        print(f"serial {name}, K = {k}, M = {m}: CPU per action: pipe {own * 1e6:.1f} us, "
+              f"plain {statistics.median(plain) / actions * 1e6:.1f} us, "
+              f"beyond plain {beyond * 1e6:.1f} us")  # fmt: skip
+        key = name.replace("-", "_")
+        fields[f"serial_us_{key}"] = f"{own * 1e6:.1f}"
+        fields[f"serial_beyond_plain_us_{key}"] = f"{beyond * 1e6:.1f}"
+    fields["serial_plain_us"] = f"{statistics.median(plains) / actions * 1e6:.1f}"
+    return fields
+
+
+def _turns(args: argparse.Namespace) -> dict[str, object]:
+    """The per-action fit, ``args.turns`` times: each figure's median over the turns and its
+    spread (min..max), and each schedule's cost beyond plain sequential training."""
+    turns = [per_action(args) for _ in range(args.turns)]
+    if args.turns == 1:
+        fields = turns[0]
+    else:
+        fields = {key: f"{statistics.median(float(t[key]) for t in turns):.3f}" for key in turns[0]}
+    for k in args.stages:
+        plain = f"action_ms_plain_k{k}"
+        for name in _SCHEDULES:
+            mine = f"action_ms_{name.replace('-', '_')}_k{k}"
+            beyond = [float(t[mine]) - float(t[plain]) for t in turns]
+            middle = statistics.median(beyond)
+            print(f"K = {k}, {name}: {middle:.3f} ms per action beyond plain, median of "
+                  f"{args.turns} turns (spread {min(beyond):.3f}..{max(beyond):.3f})")  # fmt: skip
+            fields[f"beyond_plain_ms_{name.replace('-', '_')}_k{k}"] = f"{middle:.3f}"
+            fields[f"beyond_plain_spread_{name.replace('-', '_')}_k{k}"] = (
+                f"{min(beyond):.3f}..{max(beyond):.3f}"
+            )
+    return fields
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--microbatches", type=int, default=8)
@@ -211,19 +351,34 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--no-torch", action="store_true", help="skip torch.distributed.pipelining")
     parser.add_argument("--no-fit", action="store_true", help="only the one-stage comparison")
+    parser.add_argument("--no-one-stage", action="store_true", help="skip the one-stage GPT")
+    parser.add_argument("--serial", action="store_true", help="only the serial replay")
+    parser.add_argument("--serial-stages", type=int, default=4, help="K of the serial replay")
+    parser.add_argument("--serial-microbatches", type=int, default=32, help="its M")
+    parser.add_argument("--serial-steps", type=int, default=60, help="its timed pairs")
     parser.add_argument("--stages", type=int, nargs="+", default=[2, 4, 8], help="K to fit at")
     parser.add_argument(
         "--fit-microbatches", type=int, nargs="+", default=[8, 16, 24, 32], help="M to fit over"
     )
     parser.add_argument("--fit-steps", type=int, default=9, help="steps per (K, M) in the fit")
+    parser.add_argument("--turns", type=int, default=1, help="repeat the fit; medians, spread")
     parser.add_argument("--action-ms", type=float, default=0.5, help="F and B of each stage")
     args = parser.parse_args()
-    overshoot = sleep_overshoot_us(args.action_ms / 1e3)
-    print(f"this host's time.sleep({args.action_ms:g} ms) overshoots by {overshoot:.0f} us")
-    fields = one_stage(args)
-    if not args.no_fit:
-        fields.update(per_action(args))
-    fields["sleep_overshoot_us"] = f"{overshoot:.0f}"
+    load = " ".join(f"{x:.1f}" for x in os.getloadavg())
+    print(f"load average at the start: {load} ({os.cpu_count()} cores)")
+    fields: dict[str, object] = {}
+    if args.serial:
+        fields.update(serial(args))
+    else:
+        overshoot = sleep_overshoot_us(args.action_ms / 1e3)
+        print(f"this host's time.sleep({args.action_ms:g} ms) overshoots by {overshoot:.0f} us")
+        if not args.no_one_stage:
+            fields.update(one_stage(args))
+        if not args.no_fit:
+            fields.update(_turns(args))
+        fields["sleep_overshoot_us"] = f"{overshoot:.0f}"
+    fields["load_start"] = load.replace(" ", "/")
+    fields["load_end"] = "/".join(f"{x:.1f}" for x in os.getloadavg())
     print("RESULT " + " ".join(f"{key}={value}" for key, value in fields.items()))
 
 

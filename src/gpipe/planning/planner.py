@@ -67,6 +67,7 @@ def plan(
     dp: int = 1,
     zero: bool = False,
     allreduce_bandwidth: float | None = None,
+    headroom: float = 1.0,
 ) -> PlanReport:
     """Search pipeline configurations and rank those that fit by simulated step time.
 
@@ -120,6 +121,9 @@ def plan(
         zero: shard the optimizer state over the replicas (ZeRO-1).
         allreduce_bandwidth: bytes per second of the replicas' gradient all-reduce; None
             leaves its time out (memory is counted either way).
+        headroom: what each predicted peak is multiplied by before it is checked against
+            ``memory_per_device``: ``report.best.calibrate(pipe)`` after a real step of an
+            earlier plan gives the measured peak over the predicted one. At least 1.
 
     Returns:
         The :class:`PlanReport`: ``.best``, the ranked plans, and ``.rejected``.
@@ -155,6 +159,13 @@ def plan(
     if allreduce_bandwidth is not None and not allreduce_bandwidth > 0:
         raise ValueError(
             f"allreduce_bandwidth must be > 0 bytes per second, got {allreduce_bandwidth!r}"
+        )
+    if isinstance(headroom, bool) or not isinstance(headroom, (int, float)):
+        raise TypeError(f"headroom must be a number, got {headroom!r}")
+    if not 1.0 <= headroom < math.inf:
+        raise ValueError(
+            f"headroom must be a finite factor >= 1 on the predicted peaks, got {headroom!r}: "
+            "take it from report.best.calibrate(pipe) after a real step"
         )
     replica = _Replicas(dp, zero, allreduce_bandwidth)
     batch_size //= dp  # from here on, one replica's batch
@@ -202,7 +213,10 @@ def plan(
         raise ValueError(f"action_overhead must be >= 0 seconds, got {action_overhead!r}")
     overhead = _action_overhead(names[0]) if action_overhead is None else action_overhead
     evaluated = [
-        _evaluate(measure, m, k, name, mode, names[:k], overhead, budget, replica)
+        dataclasses.replace(
+            _evaluate(measure, m, k, name, mode, names[:k], overhead, budget, replica),
+            headroom=float(headroom),
+        )
         for m, k, name, mode in tqdm(
             candidates, desc="planning", unit="plan", disable=not progress, file=sys.stderr
         )
@@ -541,22 +555,27 @@ def _rank(
         # to the plan that holds less, then to the simpler one.
         return (
             p.predicted_step,
-            max(p.peak_memory),
+            max(p.needed_memory),
             p.stages,
             list(schedules).index(p.schedule),
             list(modes).index(p.checkpoint),
         )
 
-    fits = sorted((p for p in plans if budget is None or max(p.peak_memory) <= budget), key=key)
-    over = [p for p in plans if budget is not None and max(p.peak_memory) > budget]
+    fits = sorted((p for p in plans if budget is None or max(p.needed_memory) <= budget), key=key)
+    over = [p for p in plans if budget is not None and max(p.needed_memory) > budget]
     if not fits:
-        smallest = min(plans, key=lambda p: max(p.peak_memory))
+        smallest = min(plans, key=lambda p: max(p.needed_memory))
         assert budget is not None
+        with_headroom = (
+            f" (the predicted peak x headroom {smallest.headroom:.2f})"
+            if smallest.headroom != 1.0
+            else ""
+        )
         raise ValueError(
             f"no plan fits in memory_per_device={format_bytes(budget)}: the smallest "
-            f"predicted need is {format_bytes(max(smallest.peak_memory))} per device "
-            f"({smallest.describe()}); raise the budget to at least "
-            f"{max(smallest.peak_memory)} bytes, add devices, or use a smaller batch_size"
+            f"predicted need is {format_bytes(max(smallest.needed_memory))} per device"
+            f"{with_headroom} ({smallest.describe()}); raise the budget to at least "
+            f"{max(smallest.needed_memory)} bytes, add devices, or use a smaller batch_size"
         )
     best = fits[0].predicted_step
     rejected = [
@@ -569,10 +588,14 @@ def _rank(
     ]
     for p in sorted(over, key=key):
         assert budget is not None
-        device = max(range(len(p.peak_memory)), key=lambda d: p.peak_memory[d])
-        excess = p.peak_memory[device] - budget
-        rejected.append(
-            Rejection(p, f"over the memory budget by {format_bytes(excess)} on device {device}")
-        )
+        needed = p.needed_memory
+        device = max(range(len(needed)), key=lambda d: needed[d])
+        excess = needed[device] - budget
+        reason = f"over the memory budget by {format_bytes(excess)} on device {device}"
+        if p.headroom != 1.0:
+            reason += (
+                f" (predicted {format_bytes(p.peak_memory[device])} x headroom {p.headroom:.2f})"
+            )
+        rejected.append(Rejection(p, reason))
     rejected.sort(key=lambda r: (not r.reason.startswith("over"), key(r.plan)))
     return PlanReport(fits[:top], rejected, budget)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, overload
@@ -33,6 +34,8 @@ class Plan:
             searched under this plan's measured costs and memory budget).
         dp: data-parallel replicas of this pipeline (memory and devices are per replica).
         zero: whether the optimizer state is sharded over the replicas (ZeRO-1).
+        headroom: the factor on ``peak_memory`` the budget is checked against (see
+            :meth:`calibrate`); 1.0 uncalibrated.
     """
 
     stages: int
@@ -49,6 +52,25 @@ class Plan:
     built: Any = None
     dp: int = 1
     zero: bool = False
+    headroom: float = 1.0
+
+    @property
+    def needed_memory(self) -> list[int]:
+        """Bytes per device the budget must hold: ``peak_memory`` times ``headroom``."""
+        return [math.ceil(b * self.headroom) for b in self.peak_memory]
+
+    def calibrate(self, measured: Any) -> float:
+        """The headroom a real step of this plan shows: its measured peak over the
+        predicted one, at least 1; pass it to a later ``plan(..., headroom=...)``.
+
+        Args:
+            measured: the pipe built from this plan, after a real step (on CUDA its
+                allocator's peaks, otherwise gpipe's own count), or the measured peak
+                bytes per device. See :func:`gpipe.planning.headroom.measured_headroom`.
+        """
+        from gpipe.planning.headroom import measured_headroom
+
+        return measured_headroom(self, measured)
 
     def pipe_kwargs(self) -> dict[str, Any]:
         """The keyword arguments of :class:`gpipe.GPipe` that build this plan's pipe."""
@@ -143,6 +165,12 @@ class PlanReport(Sequence[Plan]):
         widths = [max(len(row[c]) for row in rows) for c in range(len(header))]
         lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
         budget = "none" if self.memory_per_device is None else format_bytes(self.memory_per_device)
+        headroom = max([p.headroom for p in self.plans] + [r.plan.headroom for r in self.rejected])
+        if headroom != 1.0:
+            budget += (
+                f" (checked against the predicted peaks x {headroom:.2f}, the headroom "
+                "calibrated from a measured step)"
+            )
         over = [r for r in self.rejected if r.reason.startswith("over")]
         lines.append(
             f"memory budget per device: {budget}; {len(self.plans) + len(self.rejected)} "

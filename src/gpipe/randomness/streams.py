@@ -57,6 +57,7 @@ _TRIALS = 3
 _MAX_ATTEMPTS = 4
 
 LayerScope = Callable[[LayerKey], AbstractContextManager[Any]]
+GeneratorStates = tuple[list[bytes], list[bytes]]
 
 
 class Streams:
@@ -95,10 +96,16 @@ class Streams:
         step_seed: int,
         microbatch: int,
         stage: int,
+        watched: GeneratorStates | None = None,
     ) -> StageForward:
-        """The streams of one stage forward of one micro-batch on pipeline device ``device``."""
+        """The streams of one stage forward of one micro-batch on pipeline device ``device``.
+
+        ``watched``: the default generators' states as the device's last forward left them
+        (its :attr:`StageForward.watched`), when nothing that may draw ran in between on
+        that device; None reads them afresh.
+        """
         return StageForward(
-            self, self._generators[device], keys, training, step_seed, microbatch, stage
+            self, self._generators[device], keys, training, step_seed, microbatch, stage, watched
         )
 
     def _learn(
@@ -148,9 +155,14 @@ class Streams:
 class StageForward:
     """The random streams of one stage forward of one micro-batch, attempt by attempt.
 
-    Run each attempt inside :meth:`attempt`, with :attr:`layer_scope` as the partition's
-    layer scope and :meth:`scope` around anything else keyed (the loss); then
+    Call :meth:`attempt` before each attempt, run it with :attr:`layer_scope` as the
+    partition's layer scope and :meth:`scope` around anything else keyed (the loss); then
     :meth:`settled` says whether its output stands or the forward must be redone.
+
+    NOTE: the default generators are read before and after each attempt, to catch a layer
+    that starts drawing. A worker's forwards follow one another with nothing that draws in
+    between, so the state one forward ends with is the next one's start (``watched``): one
+    read per forward instead of two, the larger part of this class's cost per action.
     """
 
     def __init__(
@@ -162,6 +174,7 @@ class StageForward:
         step_seed: int,
         microbatch: int,
         stage: int,
+        watched: GeneratorStates | None = None,
     ) -> None:
         self._streams = streams
         self._generators = generators
@@ -173,8 +186,11 @@ class StageForward:
         self._probe_all = False
         self._must_redo = False
         self._held_keys: set[LayerKey] = set()  # held for this forward's redo
-        self._before: tuple[list[bytes], list[bytes]] | None = None
+        self._before: GeneratorStates | None = None
         self._attempts = 0
+        # The generators' states after the last attempt that was watched: the next
+        # forward's start. None after an attempt that probed every layer (not watched).
+        self.watched = watched
 
     def _kind(self, key: LayerKey) -> str | None:
         if key in self._held_keys:
@@ -185,7 +201,11 @@ class StageForward:
     @property
     def layer_scope(self) -> LayerScope | None:
         """What runs around each layer call; None when every layer runs as it is."""
-        if all(self._kind(key) == PLAIN for key in self._keys):
+        if not (self._probe_all or self._held_keys):
+            kinds, training = self._streams._kinds, self._training
+            if all(kinds.get((key, training)) == PLAIN for key in self._keys):
+                return None
+        elif all(self._kind(key) == PLAIN for key in self._keys):
             return None
         return self.scope
 
@@ -277,13 +297,16 @@ class StageForward:
                 self._streams._trials[key, self._training] = ([], [])  # or held: see _trial
         self._streams._learn(key, self._training, kind, self._stage)
 
-    @contextmanager
-    def attempt(self) -> Iterator[None]:
-        """Run one attempt at the forward, watching the default generators around it."""
+    def attempt(self) -> None:
+        """Start one attempt at the forward: note the default generators' states."""
         self._must_redo = False
         # NOTE: when every layer is probed, each probe watches its own layer.
-        self._before = None if self._probe_all else self._generators.read()
-        yield
+        if self._probe_all:
+            self._before = None
+        elif self.watched is not None:
+            self._before, self.watched = self.watched, None
+        else:
+            self._before = self._generators.read()
 
     def settled(self) -> bool:
         """After an attempt: True if its output stands; False to redo it.
@@ -294,8 +317,12 @@ class StageForward:
         self._attempts += 1
         redo = self._must_redo
         self._probe_all = False
-        if self._before is not None and self._generators.read() != self._before:
-            self._probe_all = redo = True
+        if self._before is not None:
+            after = self._generators.read()
+            if after != self._before:
+                self._probe_all = redo = True
+            else:
+                self.watched = after
         if redo and self._attempts >= _MAX_ATTEMPTS:
             self._streams._warn_moving(self._stage)
             return True

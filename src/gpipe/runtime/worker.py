@@ -6,6 +6,7 @@ import contextlib
 import sys
 import time
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -14,6 +15,7 @@ from gpipe.analysis import Event
 from gpipe.batchnorm import recomputing
 from gpipe.checkpoint import checkpointed
 from gpipe.randomness import LOSS_KEY
+from gpipe.randomness.streams import GeneratorStates
 from gpipe.runtime.saved import SavedBytes, gradient_bytes, storage_keys, tensor_bytes
 from gpipe.runtime.split_backward import backward_input, backward_weight
 from gpipe.runtime.stages import StageSet
@@ -23,6 +25,8 @@ from gpipe.schedule import BACKWARD, FORWARD, Action
 from gpipe.structure import leaves, map_tensors
 
 __all__ = ["StageWorker"]
+
+_ENGINE: Any = torch.autograd.Variable._execution_engine
 
 
 def _as_leaves(value: Any) -> Any:
@@ -82,6 +86,8 @@ def _for_next_stage(value: Any) -> Any:
 
 def _shapes(value: Any) -> tuple[Any, ...]:
     """What the bytes a forward saves depend on: each tensor's shape, dtype and grad flag."""
+    if isinstance(value, torch.Tensor):  # NOTE: the common case, twice per forward
+        return ((value.shape, value.dtype, value.requires_grad),)
     return tuple(
         (tuple(leaf.shape), leaf.dtype, leaf.requires_grad)
         if isinstance(leaf, torch.Tensor)
@@ -107,6 +113,38 @@ def _versions(value: Any) -> Any:
         except RuntimeError:
             return None
     return [_versions(leaf) for leaf in leaves(value) if isinstance(leaf, torch.Tensor)]
+
+
+def _backward(roots: list[tuple[Any, torch.Tensor | None]], retain_graph: bool) -> None:
+    """``torch.autograd.backward`` of ``roots`` (output, its gradient or None for a scalar).
+
+    NOTE: for plain tensors this goes to the autograd engine directly: the Python wrapper
+    around it (argument checks, a gradient made for each scalar, a context stashed for the
+    engine's device threads, which a worker never uses: it runs its backward itself) cost
+    about 15 us per backward, on every stage's every backward. The engine still checks each
+    gradient against its output (shape, dtype, device). Anything else (a tensor subclass, a
+    non-scalar output without a gradient) takes the wrapper, which handles and explains it.
+    """
+    outputs, grads = [], []
+    for output, grad in roots:
+        if type(output) is not torch.Tensor or not (
+            type(grad) is torch.Tensor or (grad is None and output.dim() == 0)
+        ):
+            torch.autograd.backward(
+                [r for r, _ in roots], [g for _, g in roots], retain_graph=retain_graph
+            )
+            return
+        outputs.append(output)
+        grads.append(torch.ones_like(output) if grad is None else grad)
+    _ENGINE.run_backward(
+        tuple(outputs),
+        tuple(grads),
+        retain_graph,
+        False,  # create_graph
+        (),  # inputs: every leaf
+        allow_unreachable=True,
+        accumulate_grad=True,
+    )
 
 
 def _copy(value: Any) -> Any:
@@ -147,10 +185,16 @@ class StageWorker:
         self.torch_device = stages.devices[device]
         self.routes = stages.routes
         self.events: list[Event] = state.events[device]
+        self._last = stages.last
         self.held = 0  # bytes this device holds for backward right now
         self._params: dict[int, set[int]] = {}
         self._trainables: dict[int, list[torch.Tensor]] = {}
         self._redone = False  # whether the last _run redid its forward (see _run)
+        # The default generators' states as this worker's last forward left them, within
+        # one run (see StageForward): between runs the caller may draw.
+        self._watched: GeneratorStates | None = None
+        self._autocast_restored: Callable[[], AbstractContextManager[None]] | None = None
+        self._autocast_key: tuple[Any, ...] = ()  # the forward's autocast, in saved_bytes keys
         # On a GPU, each action's start and end are CUDA events on its stream, read when the
         # timeline is (StepState.settle), against an event recorded as each run began.
         self._timed = self.torch_device.type == "cuda"
@@ -174,6 +218,21 @@ class StageWorker:
         )
         context = self.state.context
         after = self.state.after
+        self._watched = None
+        # NOTE: decided once per run: a recomputation needs the forward's autocast entered
+        # only when this run's differs (pipe(x) under autocast, loss.backward() outside).
+        forward = self.state.forward_context
+        self._autocast_key = forward.autocast_key if forward is not None else ()
+        self._autocast_restored = (
+            None
+            if forward is None
+            or (
+                context is not None
+                and (forward.autocast, forward.autocast_cache)
+                == (context.autocast, context.autocast_cache)
+            )
+            else forward.autocast_restored
+        )
         with (
             context.entered() if context else contextlib.nullcontext(),
             on_device,
@@ -250,7 +309,7 @@ class StageWorker:
     def backward(self, action: Action) -> None:
         step, stage, mb = self.state, action.stage, action.microbatch
         saved = step.saved[stage, mb]
-        has_loss = step.loss is not None and stage == self.stages.last
+        has_loss = step.loss is not None and stage == self._last
         routes = self.routes
         if has_loss:
             grads = None
@@ -267,9 +326,8 @@ class StageWorker:
             if self.stages.copies_input.get(key, True):
                 with torch.enable_grad():  # NOTE: a backward runs with grad mode off
                     given, source = _copy(given), saved.inputs
-            forward = step.forward_context  # recompute under the forward's autocast
-            autocast = forward.autocast_restored() if forward else contextlib.nullcontext()
-            with recomputing(), autocast:
+            restore = self._autocast_restored  # recompute under the forward's autocast
+            with recomputing(), restore() if restore else contextlib.nullcontext():
                 output, root, kept = self._forward_kept(stage, mb, given, source)
             saved.outputs = output if root is None else root
             recomputed = kept - saved.nbytes
@@ -305,9 +363,7 @@ class StageWorker:
                 ) from error
         else:
             if roots:
-                torch.autograd.backward(
-                    [r for r, _ in roots], [g for _, g in roots], retain_graph=step.retain_graph
-                )
+                _backward(roots, step.retain_graph)
             found = [leaf.grad for leaf in wanted]
             for leaf in wanted:  # sent on below; a second backward must not add to it
                 leaf.grad = None
@@ -367,7 +423,7 @@ class StageWorker:
         if step.track_memory:
             module = self.stages.module(stage)
             target = _shapes(self._target(stage, mb))
-            autocast = step.forward_context.autocast_key if step.forward_context else ()
+            autocast = self._autocast_key
             key = (stage, module.training, _shapes(inputs), target, *autocast)
             known = self.stages.saved_bytes.get(key)
         if known is not None:
@@ -389,7 +445,7 @@ class StageWorker:
     def _target(self, stage: int, mb: int) -> Any:
         """The loss target of micro-batch ``mb`` if ``stage`` computes the loss, else None."""
         loss = self.state.loss
-        if loss is None or stage != self.stages.last:
+        if loss is None or stage != self._last:
             return None
         return loss.targets[mb]
 
@@ -406,7 +462,7 @@ class StageWorker:
         step = self.state
         module: Any = self.stages.module(stage)
         keys, layered = self.stages.keys[stage]
-        loss = step.loss if stage == self.stages.last else None
+        loss = step.loss if stage == self._last else None
         streams = self.stages.streams.forward(
             [*keys, *([LOSS_KEY] if loss is not None else [])],
             device=self.device,
@@ -414,7 +470,9 @@ class StageWorker:
             step_seed=step.seed,
             microbatch=mb + step.microbatch_offset,
             stage=stage,
+            watched=self._watched,
         )
+        self._watched = None  # until this forward settles
 
         def call(given: Any) -> tuple[Any, torch.Tensor | None]:
             if layered:
@@ -444,12 +502,14 @@ class StageWorker:
             step.losses[mb] = value.detach()
             return output, value * loss.weights[mb]
 
-        with streams.attempt():
-            result = call(inputs)
+        streams.attempt()
+        result = call(inputs)
         while not streams.settled():
             self._redone = True
-            with recomputing(), streams.attempt():  # NOTE: batch statistics count once
+            streams.attempt()
+            with recomputing():  # NOTE: batch statistics count once
                 result = call(inputs if source is None else _copy(source))
+        self._watched = streams.watched
         return result
 
     def _learn_writes(
