@@ -16,7 +16,9 @@ comments on the line above a fence, invisible on the site:
                                            once that job has ended
     <!-- skip: next "a torchrun script: tests/test_x.py runs it ..." -->   run by that test
                                            (a launch this harness cannot make, such as one
-                                           that kills a rank); it takes no rank code
+                                           that kills a rank), not here; "the torchrun
+                                           script above" of the blocks below it is then the
+                                           one above it
 
 A skip must say why, and a Python fence the harness does not see fails the test.
 """
