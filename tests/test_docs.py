@@ -11,6 +11,14 @@ comments on the line above a fence, invisible on the site:
     <!-- skip: next "a torchrun script: ..." -->   the slow tier launches it under torchrun
     <!-- skip: next "rank code: ..." -->   the slow tier runs it under torchrun, after the
                                            torchrun script above it on its page
+    <!-- skip: next "one process: ..." -->  a script of its own: the slow tier runs it with
+                                           python in the folder of the torchrun script above,
+                                           once that job has ended
+    <!-- skip: next "a torchrun script: tests/test_x.py runs it ..." -->   run by that test
+                                           (a launch this harness cannot make, such as one
+                                           that kills a rank), not here; "the torchrun
+                                           script above" of the blocks below it is then the
+                                           one above it
 
 A skip must say why, and a Python fence the harness does not see fails the test.
 """
@@ -39,15 +47,11 @@ from ranks import free_port
 ROOT = Path(__file__).parent.parent
 PAGES = ["README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md"))]
 SYBIL = Sybil(parsers=[PythonCodeBlockParser(), SkipParser()])
-# Sections whose blocks wait for a rewrite in another branch, by page: (heading, why).
-PENDING = {
-    "docs/distributed.md": (
-        "## Checkpoints that reshard",
-        "its rewrite lands in another branch; the lead makes it run after the merge",
-    ),
-}
 TORCHRUN = "a torchrun script"
 RANK_CODE = "rank code"
+ONE_PROCESS = "one process"
+# a torchrun script that another test runs names it: "a torchrun script: tests/test_x.py runs it"
+RUN_BY = re.compile(r"^a torchrun script: (tests/test_\w+\.py) runs it\b")
 
 
 @dataclass
@@ -58,7 +62,6 @@ class Block:
     line: int
     example: Example
     skip: str | None = None  # the marker's text: a reason, or if(FAST, reason)
-    pending: str | None = None
 
     @property
     def code(self) -> str:
@@ -92,21 +95,13 @@ def parse(page: str) -> Page:
     """The page's examples as Sybil finds them, and its Python blocks with their markers."""
     document = SYBIL.parse(ROOT / page)
     parsed = Page(document, examples=list(document))
-    pending = PENDING.get(page)
     skip = None
     for example in parsed.examples:
         if isinstance(example.parsed, tuple):  # a skip marker: (action, arguments)
             action, skip = example.parsed
             assert action == "next", f"{page}:{example.line}: use `skip: next`, not {action}"
             continue
-        block = Block(page, example.line, example, skip)
-        if pending is not None:
-            heading, why = pending
-            start = document.text.find(f"\n{heading}\n")
-            end = document.text.find("\n## ", start + 1)
-            if start >= 0 and start < example.start < (end if end >= 0 else len(document.text)):
-                block.pending = why
-        parsed.blocks.append(block)
+        parsed.blocks.append(Block(page, example.line, example, skip))
         skip = None
     return parsed
 
@@ -143,8 +138,6 @@ def run_page(page: str, *, fast: bool, directory: Path) -> tuple[list[int], list
     try:
         for example in parsed.examples:
             block = blocks.get(id(example))
-            if block is not None and block.pending:
-                continue
             if (
                 block is not None
                 and "import transformers" in block.code
@@ -177,7 +170,7 @@ SLOW_PAGES = [page for page in RUN_PAGES if any(b.slow for b in parse(page).bloc
 @pytest.mark.parametrize("page", RUN_PAGES)
 def test_the_pages_python_blocks_run(page: str, tmp_path: Path) -> None:
     ran, _ = run_page(page, fast=True, directory=tmp_path)
-    runnable = [b for b in parse(page).blocks if b.skip is None and not b.pending]
+    runnable = [b for b in parse(page).blocks if b.skip is None]
     assert len(ran) >= len(runnable) - sum("import transformers" in b.code for b in runnable)
 
 
@@ -188,53 +181,97 @@ def test_the_pages_long_blocks_run(page: str, tmp_path: Path) -> None:
     assert not later and ran
 
 
-def torchrun_jobs(page: str) -> list[tuple[int, int, str]]:
-    """The page's torchrun scripts as (line, processes, code), each followed by the rank
-    code below it on the page, up to the next script."""
-    jobs: list[tuple[int, int, str]] = []
+@dataclass
+class Job:
+    """A torchrun script of a page with the rank code below it, up to the next script, and
+    the one-process scripts to run after it."""
+
+    page: str
+    line: int
+    ranks: int
+    code: str
+    after: list[tuple[int, str]] = field(default_factory=list)  # (line, code)
+
+
+def torchrun_jobs(page: str) -> list[Job]:
+    """The page's torchrun scripts that this harness launches, in page order."""
+    jobs: list[Job] = []
     for block in parse(page).blocks:
         reason = block.reason or ""
-        if block.pending:
-            continue
+        if RUN_BY.match(reason):
+            continue  # another test runs it
         if reason.startswith(TORCHRUN):
             launch = re.search(r"torchrun --nproc-per-node (\d+)", block.code.split("\n")[0])
             assert launch, f"{page}:{block.line}: the first line names the launch"
-            jobs.append((block.line, int(launch.group(1)), block.code))
-        elif reason.startswith(RANK_CODE):
-            assert jobs, f"{page}:{block.line}: rank code needs a torchrun script above it"
-            line, ranks, code = jobs[-1]
-            jobs[-1] = (line, ranks, f"{code}\n# {page}:{block.line}\n{block.code}")
+            jobs.append(Job(page, block.line, int(launch.group(1)), block.code))
+        elif reason.startswith((RANK_CODE, ONE_PROCESS)):
+            assert jobs, f"{page}:{block.line}: {reason} needs a torchrun script above it"
+            if reason.startswith(RANK_CODE):
+                jobs[-1].code += f"\n# {page}:{block.line}\n{block.code}"
+            else:
+                jobs[-1].after.append((block.line, block.code))
     return jobs
 
 
-JOBS = [(page, *job) for page in RUN_PAGES for job in torchrun_jobs(page)]
+JOBS = [job for page in RUN_PAGES for job in torchrun_jobs(page)]
 
 
 def test_the_readme_and_the_distributed_page_have_torchrun_scripts() -> None:
-    assert [(page, ranks) for page, _, ranks, _ in JOBS] == [
-        ("README.md", 2),
-        ("docs/distributed.md", 4),
-        ("docs/distributed.md", 4),
-        ("docs/models.md", 2),
+    assert [(job.page, job.ranks, len(job.after)) for job in JOBS] == [
+        ("README.md", 2, 0),
+        ("docs/distributed.md", 4, 0),
+        ("docs/distributed.md", 4, 1),  # and consolidate.py, in one process
+        ("docs/models.md", 2, 0),
     ]
+
+
+def test_a_torchrun_script_run_by_another_test_names_a_test_that_reads_its_page() -> None:
+    named = []
+    for page in RUN_PAGES:
+        for block in parse(page).blocks:
+            run_by = RUN_BY.match(block.reason or "")
+            if run_by:
+                test = ROOT / run_by.group(1)
+                assert test.is_file(), f"{page}:{block.line}: no {run_by.group(1)}"
+                assert page in test.read_text(), f"{run_by.group(1)} does not read {page}"
+                named.append((page, run_by.group(1)))
+    assert named == [("docs/distributed.md", "tests/test_elastic_resume.py")]
+
+
+def _run(command: list[str], where: str, cwd: Path, timeout: float) -> None:
+    """Run ``command`` in ``cwd`` (its own process group, ended on a timeout); fail the test
+    with its output unless it exits 0."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
+    process = subprocess.Popen(
+        command,
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
+    try:
+        output, _ = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)  # torchrun and the ranks it started
+        output, _ = process.communicate()
+        pytest.fail(f"{where} did not finish in {timeout:g} s:\n{output[-3000:]}")
+    assert process.returncode == 0, f"{where}:\n{output[-4000:]}"
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize(
-    ("page", "line", "ranks", "code"), JOBS, ids=[f"{j[0]}:{j[1]}" for j in JOBS]
-)
-def test_the_torchrun_scripts_run_under_torchrun(
-    page: str, line: int, ranks: int, code: str, tmp_path: Path
-) -> None:
+@pytest.mark.parametrize("job", JOBS, ids=[f"{job.page}:{job.line}" for job in JOBS])
+def test_the_torchrun_scripts_run_under_torchrun(job: Job, tmp_path: Path) -> None:
     script = tmp_path / "train.py"
-    script.write_text(code)
+    script.write_text(job.code)
     command = [
         sys.executable,
         "-m",
         "torch.distributed.run",
         "--nproc-per-node",
-        str(ranks),
+        str(job.ranks),
         "--rdzv-backend",
         "c10d",
         "--rdzv-endpoint",
@@ -243,23 +280,11 @@ def test_the_torchrun_scripts_run_under_torchrun(
         "0",
         str(script),
     ]
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
-    process = subprocess.Popen(
-        command,
-        cwd=tmp_path,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
-        start_new_session=True,
-    )
-    try:
-        output, _ = process.communicate(timeout=540)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)  # torchrun and the ranks it started
-        output, _ = process.communicate()
-        pytest.fail(f"{page}:{line} under torchrun did not finish in 540 s:\n{output[-3000:]}")
-    assert process.returncode == 0, f"{page}:{line}:\n{output[-4000:]}"
+    _run(command, f"{job.page}:{job.line} under torchrun", tmp_path, timeout=480)
+    for line, code in job.after:  # in the job's folder, where it left its files
+        after = tmp_path / f"after_{line}.py"
+        after.write_text(code)
+        _run([sys.executable, str(after)], f"{job.page}:{line}", tmp_path, timeout=60)
 
 
 @pytest.mark.slow
