@@ -243,7 +243,9 @@ class FaultChannel:
                 time.sleep(min(0.25, self._beat / 4))
             after = self._records(others)
         except StoreSilent:
-            return _silent_store(what)
+            return _silent_store(what, "is silent too (rank 0 stopped, or its host hung)")
+        except Exception as error:  # NOTE: the store's host is gone (connection broken)
+            return _silent_store(what, f"is gone too ({brief(error)}: rank 0 died or left)")
         reported = self.check()
         if reported is not None:
             return reported
@@ -394,18 +396,14 @@ class FaultChannel:
         self._on_failure(failure)
 
 
-def _silent_store(what: str) -> Failure:
-    """A failure naming the store's host, when the store itself stopped answering."""
+def _silent_store(what: str, how: str) -> Failure:
+    """A failure naming the store's host, when the store itself stopped answering (``how``)."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
         return Failure(
             -1,
             f"the job's store (torchrun's agent) stopped answering: its node hung or died; {what}",
         )
-    return Failure(
-        0,
-        f"it stopped answering, and the job's store, which it hosts, is silent too (rank 0 "
-        f"stopped, or its host hung); {what}",
-    )
+    return Failure(0, f"it stopped answering, and the job's store, which it hosts, {how}; {what}")
 
 
 def _own_client(store: Any) -> Any:
