@@ -11,11 +11,12 @@ the factor later plans multiply their predicted peaks by before checking the bud
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from gpipe.planning.report import Plan
+if TYPE_CHECKING:
+    from gpipe.planning.report import Plan
 
 __all__ = ["measured_headroom"]
 
