@@ -173,3 +173,22 @@ def test_a_forged_failure_record_is_ignored_and_a_real_one_replaces_it() -> None
     assert other.check() is None  # signed under another job's token: not ours
     for c in (channel, other):
         c.close()
+
+
+def test_a_rank_between_steps_is_named_only_when_no_rank_in_the_step_is_stuck() -> None:
+    channels = _channels(dist.HashStore(), 3, beat=0.1)
+    channels[0].progress = lambda: {"done": 0, "waiting": True}
+    channels[2].progress = lambda: {"done": 3, "waiting": False, "doing": "a step"}  # stuck
+    channels[0]._busy = channels[2]._busy = 1
+    with channels[1].busy():  # rank 1 did its part of the step, and left it
+        time.sleep(0.3)
+    time.sleep(0.3)
+    failure = channels[0].culprit(2, [0, 1, 2], "rank 0 got nothing from rank 2")
+    assert failure.rank == 2 and "made no progress" in failure.error, failure
+    channels[2]._busy = 0  # now rank 2 waits for rank 1, which is outside the step
+    channels[2].progress = lambda: {"done": 3, "waiting": True}
+    channels[2]._busy = 1
+    failure = channels[0].culprit(2, [0, 1, 2], "rank 0 got nothing from rank 2")
+    assert failure.rank == 1 and "outside the pipe's step" in failure.error, failure
+    for channel in channels:
+        channel.close()

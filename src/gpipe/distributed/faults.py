@@ -135,6 +135,7 @@ class FaultChannel:
         self._ask_within = ask
         self._on_failure = on_failure
         self._stop = threading.Event()
+        self._left = threading.Event()  # wakes the beats: the rank left its step, or closed
         self._lock = threading.Lock()
         self._silent = False  # the store did not answer once: ask it nothing more
         self._busy = 0
@@ -221,6 +222,8 @@ class FaultChannel:
         finally:
             with self._lock:
                 self._busy -= 1
+                if not self._busy:
+                    self._left.set()
 
     def culprit(self, suspect: int, ranks: Sequence[int] | None, what: str) -> Failure:
         """Whom to name when this rank's wait for ``suspect`` failed (``what`` happened).
@@ -250,23 +253,30 @@ class FaultChannel:
         if reported is not None:
             return reported
         seconds = f"{3 * self._beat:g}"
+        idle = [r for r in others if (after[r] or {}).get("busy") is False]
         for rank in others:
             now = after[rank]
-            if now is None or now == before[rank] or not now.get("busy"):
+            if rank not in idle and (now is None or now == before[rank]):
                 return Failure(
                     rank,
-                    f"it stopped answering (no sign of life in {seconds} s: stopped, killed, or "
-                    f"outside the pipe's step); {what}",
+                    f"it stopped answering (no sign of life in {seconds} s: stopped or killed "
+                    f"inside the pipe); {what}",
                 )
         for rank in others:
             then, now = before[rank] or {}, after[rank] or {}
-            if now.get("done") == then.get("done") and not now.get("waiting"):
+            if rank not in idle and now.get("done") == then.get("done") and not now.get("waiting"):
                 doing = now.get("doing") or "its step"
                 return Failure(
                     rank,
                     f"it made no progress in {doing} for {seconds} s while the others waited "
                     f"(a hung kernel, or a deadlocked hook?); {what}",
                 )
+        if idle:  # NOTE: last: a rank between steps may simply have finished its part
+            return Failure(
+                idle[0],
+                f"it is outside the pipe's step (its part done, or held up in your own code) "
+                f"while the others wait; {what}",
+            )
         if suspect < 0:
             return Failure(-1, what)
         return Failure(
@@ -282,6 +292,7 @@ class FaultChannel:
         if self._stop.is_set():
             return
         self._stop.set()
+        self._left.set()
         with contextlib.suppress(Exception):  # the store is gone: the watcher has ended
             self._ask(self._store.set, self._wake(self._rank), b"closed")
         deadline = time.monotonic() + 1.0
@@ -316,14 +327,21 @@ class FaultChannel:
                 self._ask(self._store.delete_key, self._wake(self._rank))
 
     def _beat_while_busy(self) -> None:
-        """Every ``beat`` s while busy, write this rank's beat count and progress."""
-        while not self._stop.wait(self._beat):
-            if self.failure is not None or self._silent:
+        """Every ``beat`` s while busy, write this rank's beat count and progress; once more
+        on leaving, saying it is idle (so a rank between steps is not taken for a stopped
+        one while another is stuck)."""
+        beating = False
+        while True:
+            self._left.wait(self._beat)
+            self._left.clear()
+            if self._stop.is_set() or self.failure is not None or self._silent:
                 return  # NOTE: nobody waits for this rank any more, or the store is gone
-            if not self._busy:
+            busy = self._busy > 0
+            if not busy and not beating:
                 continue
+            beating = busy
             self._beats += 1
-            record = {"beat": self._beats, "busy": True, **self.progress()}
+            record = {"beat": self._beats, "busy": busy, **self.progress()}
             try:
                 self._ask(self._store.set, self._alive(self._rank), json.dumps(record))
             except Exception:
