@@ -192,3 +192,20 @@ def test_a_rank_between_steps_is_named_only_when_no_rank_in_the_step_is_stuck() 
     assert failure.rank == 1 and "outside the pipe's step" in failure.error, failure
     for channel in channels:
         channel.close()
+
+
+def test_a_rank_that_left_an_earlier_step_and_fell_silent_is_named_as_stopped() -> None:
+    # rank 1 finished step 1, entered step 2 and was stopped before its first beat there:
+    # its last record says idle, but of an earlier step than the one rank 0 waits in
+    channels = _channels(dist.HashStore(), 2, beat=0.1)
+    channels[0].progress = lambda: {"done": 0, "waiting": True}
+    with channels[1].busy():
+        time.sleep(0.3)
+    time.sleep(0.3)
+    with channels[0].busy():  # step 1
+        pass
+    with channels[0].busy():  # step 2, where rank 0 waits for rank 1
+        failure = channels[0].culprit(1, [0, 1], "rank 0 got nothing from rank 1")
+    assert failure.rank == 1 and "stopped answering" in failure.error, failure
+    for channel in channels:
+        channel.close()

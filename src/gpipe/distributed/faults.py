@@ -139,6 +139,7 @@ class FaultChannel:
         self._lock = threading.Lock()
         self._silent = False  # the store did not answer once: ask it nothing more
         self._busy = 0
+        self._entered = 0  # steps (and constructions) entered: the same count on every rank
         self._beats = 0
         self.failure: Failure | None = None
         # what this rank is doing, for its beats: set by the pipe
@@ -217,6 +218,8 @@ class FaultChannel:
         others wait for it is the one :meth:`culprit` names."""
         with self._lock:
             self._busy += 1
+            if self._busy == 1:
+                self._entered += 1
         try:
             yield
         finally:
@@ -253,14 +256,21 @@ class FaultChannel:
         if reported is not None:
             return reported
         seconds = f"{3 * self._beat:g}"
-        idle = [r for r in others if (after[r] or {}).get("busy") is False]
+        # NOTE: a rank that left this very step (its part done) is no suspect until the
+        # others are cleared; one whose last record is an earlier step's is
+        idle = [
+            r
+            for r in others
+            if (after[r] or {}).get("busy") is False
+            and (after[r] or {}).get("entered", 0) >= self._entered
+        ]
         for rank in others:
             now = after[rank]
             if rank not in idle and (now is None or now == before[rank]):
                 return Failure(
                     rank,
-                    f"it stopped answering (no sign of life in {seconds} s: stopped or killed "
-                    f"inside the pipe); {what}",
+                    f"it stopped answering (no sign of life in {seconds} s: stopped or killed, "
+                    f"or held up before this step); {what}",
                 )
         for rank in others:
             then, now = before[rank] or {}, after[rank] or {}
@@ -341,7 +351,8 @@ class FaultChannel:
                 continue
             beating = busy
             self._beats += 1
-            record = {"beat": self._beats, "busy": busy, **self.progress()}
+            record = {"beat": self._beats, "busy": busy, "entered": self._entered}
+            record.update(self.progress())
             try:
                 self._ask(self._store.set, self._alive(self._rank), json.dumps(record))
             except Exception:
