@@ -99,7 +99,7 @@ def test_the_culprit_is_the_rank_whose_beats_stopped_not_the_one_waited_for() ->
         channel._busy = 1  # inside a step
     time.sleep(0.3)
     channels[1].close()  # rank 1 stops beating: stopped, or dead
-    failure = channels[0].culprit(2, [0, 1, 2], "rank 0 got nothing from rank 2")
+    failure = channels[0].culprit(2, "rank 0 got nothing from rank 2", [0, 1, 2])
     assert failure.rank == 1 and "stopped answering" in failure.error, failure
     assert "rank 0 got nothing from rank 2" in failure.error
     for channel in channels:
@@ -114,7 +114,7 @@ def test_the_culprit_is_a_rank_that_beats_but_makes_no_progress_outside_a_wait()
     for channel in channels:
         channel._busy = 1
     time.sleep(0.3)
-    failure = channels[0].culprit(2, [0, 1, 2], "rank 0 got nothing from rank 2")
+    failure = channels[0].culprit(2, "rank 0 got nothing from rank 2", [0, 1, 2])
     assert failure.rank == 1 and "made no progress" in failure.error, failure
     for channel in channels:
         channel.close()
@@ -126,9 +126,9 @@ def test_with_every_rank_alive_and_waiting_the_culprit_is_the_suspect() -> None:
         channel.progress = lambda: {"done": 0, "waiting": True}
         channel._busy = 1
     time.sleep(0.3)
-    failure = channels[0].culprit(1, [0, 1], "rank 0 lost its link to rank 1")
+    failure = channels[0].culprit(1, "rank 0 lost its link to rank 1", [0, 1])
     assert failure.rank == 1 and failure.error.startswith("rank 0 lost its link to rank 1")
-    assert channels[0].culprit(-1, None, "a collective broke").rank == -1
+    assert channels[0].culprit(-1, "a collective broke", None).rank == -1
     for channel in channels:
         channel.close()
 
@@ -136,7 +136,7 @@ def test_with_every_rank_alive_and_waiting_the_culprit_is_the_suspect() -> None:
 def test_a_reported_failure_wins_over_any_culprit() -> None:
     channels = _channels(dist.HashStore(), 2, beat=0.1)
     reported = channels[1].publish(Failure(1, "ValueError: boom"))
-    assert channels[0].culprit(1, [0, 1], "rank 0 lost its link to rank 1") == reported
+    assert channels[0].culprit(1, "rank 0 lost its link to rank 1", [0, 1]) == reported
     for channel in channels:
         channel.close()
 
@@ -146,7 +146,7 @@ def test_a_silent_store_names_rank_0_that_hosts_it_within_its_bound() -> None:
     channel = FaultChannel(store, "p", 1, lambda failure: None, world=2, ask=0.5)
     store.frozen.set()
     started = time.monotonic()
-    failure = channel.culprit(2, [0, 1, 2], "rank 1 got nothing from rank 0")
+    failure = channel.culprit(2, "rank 1 got nothing from rank 0", [0, 1, 2])
     assert failure.rank == 0 and "store" in failure.error, failure
     channel.publish(Failure(1, "later"))  # bounded too: the store is known silent
     channel.acknowledge(2)
@@ -183,12 +183,12 @@ def test_a_rank_between_steps_is_named_only_when_no_rank_in_the_step_is_stuck() 
     with channels[1].busy():  # rank 1 did its part of the step, and left it
         time.sleep(0.3)
     time.sleep(0.3)
-    failure = channels[0].culprit(2, [0, 1, 2], "rank 0 got nothing from rank 2")
+    failure = channels[0].culprit(2, "rank 0 got nothing from rank 2", [0, 1, 2])
     assert failure.rank == 2 and "made no progress" in failure.error, failure
     channels[2]._busy = 0  # now rank 2 waits for rank 1, which is outside the step
     channels[2].progress = lambda: {"done": 3, "waiting": True}
     channels[2]._busy = 1
-    failure = channels[0].culprit(2, [0, 1, 2], "rank 0 got nothing from rank 2")
+    failure = channels[0].culprit(2, "rank 0 got nothing from rank 2", [0, 1, 2])
     assert failure.rank == 1 and "outside the pipe's step" in failure.error, failure
     for channel in channels:
         channel.close()
@@ -205,7 +205,7 @@ def test_a_rank_that_left_an_earlier_step_and_fell_silent_is_named_as_stopped() 
     with channels[0].busy():  # step 1
         pass
     with channels[0].busy():  # step 2, where rank 0 waits for rank 1
-        failure = channels[0].culprit(1, [0, 1], "rank 0 got nothing from rank 1")
+        failure = channels[0].culprit(1, "rank 0 got nothing from rank 1", [0, 1])
     assert failure.rank == 1 and "stopped answering" in failure.error, failure
     for channel in channels:
         channel.close()

@@ -70,7 +70,6 @@ class Executor:
         ranks: ``ranks[d]``: the global rank of pipeline device ``d``.
         torch_device: where this rank's stages run; received tensors land there.
         group: the process group carrying the messages (gloo or NCCL).
-        control: a gloo group of the same ranks (to close links at exit).
         timeout: seconds to wait for one message before declaring its sender lost.
         report: called with this rank's failure, to tell the other ranks (the fault
             channel); returns the failure every rank will name.
@@ -87,7 +86,6 @@ class Executor:
         ranks: list[int],
         torch_device: torch.device,
         group: Any,
-        control: Any,
         timeout: float,
         report: Callable[[Failure], Failure],
         overlap: bool = True,
@@ -98,7 +96,6 @@ class Executor:
         self._ranks = ranks
         self._rank = ranks[device]
         self._torch_device = torch_device
-        self._control = control
         self._timeout = timeout
         self._report = report
         self._blame = blame
@@ -261,7 +258,7 @@ class Executor:
         self.close()
         self._join(grace)
         # NOTE: a destroyed group keeps its threads and sockets while anything refers to it
-        self._poster.group = self._control = None
+        self._poster.group = None
 
     # -- posting -----------------------------------------------------------------------
 

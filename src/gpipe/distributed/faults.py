@@ -228,7 +228,7 @@ class FaultChannel:
                 if not self._busy:
                     self._left.set()
 
-    def culprit(self, suspect: int, ranks: Sequence[int] | None, what: str) -> Failure:
+    def culprit(self, suspect: int, what: str, ranks: Sequence[int] | None = None) -> Failure:
         """Whom to name when this rank's wait for ``suspect`` failed (``what`` happened).
 
         The failure some rank reported, if one comes while the beats of ``ranks`` are
@@ -511,4 +511,4 @@ def _cause(
     if failure is not None:
         return failure
     what = f"a link of a collective broke ({brief(error)})"
-    return faults.culprit(-1, ranks, what)
+    return faults.culprit(-1, what, ranks)

@@ -403,11 +403,10 @@ class DistributedGPipe(StepSettings, nn.Module):
             pipeline,
             self.torch_device,
             self.groups.pipeline,
-            self.groups.control,
             self.timeout,
             self._faults.publish,
             overlap,
-            partial(_culprit, self._faults, pipeline),
+            partial(self._faults.culprit, ranks=pipeline),
         )
         self._last: tuple[Step, Schedule] | None = None
         self._shapes = 0  # the step's input shapes, as a number (see _begin)
@@ -925,12 +924,6 @@ class DistributedGPipe(StepSettings, nn.Module):
         transport = self.__dict__.get("_transport")
         if transport is not None:  # NOTE: none yet while the pipe is being built
             transport.fail(failure)
-
-
-def _culprit(faults: FaultChannel, ranks: list[int], suspect: int, what: str) -> Failure:
-    """Whom a failed wait for ``suspect`` names (a function, not a lambda over the pipe: the
-    executor holding the pipe would keep it alive in a cycle)."""
-    return faults.culprit(suspect, ranks, what)
 
 
 def _tensor_kinds(module: nn.Module) -> list[list[Any]]:
