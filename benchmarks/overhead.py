@@ -30,9 +30,16 @@ for a core. The figure beyond plain (``beyond_plain_ms``) moves with the host's 
 printed at the start and the end; ``--turns`` repeats the fit, printing the median and the
 spread.
 
+Bare threads (``bare_gpipe``, ``bare_1f1b``): the same SleepLayers and schedules run by the
+least a threaded pipeline does (a thread per stage, a queue per stage and direction,
+autograd per micro-batch; see :class:`_Bare`). Its cost beyond plain is what Python threads
+alone cost on this host, the floor for any threaded runtime; the pipe's cost beyond bare
+threads (``beyond_bare_ms``) is its own.
+
 Serial (``--serial``): the runtime's own CPU time per action, without threads. K stages
-of empty SleepLayers (no sleep) on K "cpu" devices; each step replays every device's actions
-on the calling thread in one dependency order, so no hand-off waits and no thread competes.
+of empty SleepLayers (no sleep) on K "cpu" devices run as one lane, as the stages of one GPU
+do: every device's actions on the calling thread in one dependency order (see
+``gpipe.runtime.stages.lanes_of``), so no hand-off waits and no thread competes.
 Plain runs the same layers micro-batch by micro-batch. Both are timed by the thread's CPU
 clock (``time.thread_time``), in pairs; the per-action cost is the median over pairs of
 (pipe - plain) / 2KM. It is the bookkeeping (messages, random streams, memory counting,
@@ -49,9 +56,12 @@ from __future__ import annotations
 
 import argparse
 import os
+import queue
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
 import torch
 from torch.nn import functional as F
@@ -59,12 +69,54 @@ from torch.nn import functional as F
 import torch_reference
 from gpipe import GPipe, scatter
 from gpipe.models import GPTConfig, gpt, gpt_loss, sleep_stages, synthetic_tokens
-from gpipe.runtime.context import CallerContext
-from gpipe.runtime.step import Step
-from gpipe.schedule import FORWARD, Action, Schedule, dependencies
+from gpipe.schedule import FORWARD, make_schedule
 from host import sleep_overshoot_us
 
 _SCHEDULES = ("gpipe", "1f1b")
+
+
+class _Bare:
+    """The least a pipeline of Python threads does: the same SleepLayers and schedule, a
+    thread per stage (the first on the caller's), a queue per stage and direction, autograd
+    per micro-batch, and nothing else (no random streams, memory count, timeline, checks).
+
+    Its cost beyond plain is what threads alone cost on this host (the GIL, wake-ups, the
+    cores); the pipe's cost beyond it is the runtime's own.
+    """
+
+    def __init__(self, k: int, m: int, schedule: str, action_ms: float) -> None:
+        self.layers = sleep_stages(k, action_ms, action_ms)
+        self.actions = make_schedule(schedule, k, m).actions
+        self.k, self.m = k, m
+        self.pool = ThreadPoolExecutor(k - 1)
+
+    def step(self, x: torch.Tensor, target: torch.Tensor) -> None:
+        inputs: list[queue.SimpleQueue[torch.Tensor]] = [queue.SimpleQueue() for _ in self.layers]
+        grads: list[queue.SimpleQueue[torch.Tensor]] = [queue.SimpleQueue() for _ in self.layers]
+
+        def device(s: int) -> None:
+            kept = {}
+            last = s == self.k - 1
+            for action in self.actions[s]:
+                i = action.microbatch
+                if action.kind == FORWARD:
+                    given = x[i : i + 1] if s == 0 else inputs[s].get().requires_grad_()
+                    output = self.layers[s](given)
+                    if last:
+                        output = F.mse_loss(output, target[i : i + 1]) / self.m
+                    else:
+                        inputs[s + 1].put(output.detach())
+                    kept[i] = (given, output)
+                else:
+                    given, output = kept.pop(i)
+                    torch.autograd.backward(output, None if last else grads[s].get())
+                    if s > 0:
+                        grads[s - 1].put(given.grad)
+
+        futures = [self.pool.submit(device, s) for s in range(1, self.k)]
+        device(0)
+        for future in futures:
+            future.result()
 
 
 def one_stage(args: argparse.Namespace) -> dict[str, object]:
@@ -156,6 +208,7 @@ def per_action(args: argparse.Namespace) -> dict[str, object]:
         runs: dict[str, dict[int, Callable[[], object]]] = {name: {} for name in _SCHEDULES}
         runs["plain"] = {}
         pipes = []
+        bares: list[_Bare] = []
         for m in counts:
             x, target = torch.randn(m, 4, requires_grad=True), torch.randn(m, 4)
             for name in _SCHEDULES:
@@ -176,6 +229,10 @@ def per_action(args: argparse.Namespace) -> dict[str, object]:
                     (F.mse_loss(model(xi), ti) / len(x)).backward()
 
             runs["plain"][m] = plain
+            for name in _SCHEDULES:
+                bare = _Bare(k, m, name, args.action_ms)
+                bares.append(bare)
+                runs.setdefault(f"bare_{name}", {})[m] = partial(bare.step, x, target)
         times = {(name, m): [] for name in runs for m in counts}
         for name, m in times:  # warm-up
             runs[name][m]()
@@ -188,6 +245,8 @@ def per_action(args: argparse.Namespace) -> dict[str, object]:
                 seconds.append(time.perf_counter() - began)
         for pipe in pipes:
             pipe.close()
+        for bare in bares:
+            bare.pool.shutdown()
         c = {
             name: _overhead(
                 counts,
@@ -217,69 +276,30 @@ def per_action(args: argparse.Namespace) -> dict[str, object]:
 
     print(f"overhead per action, ms (fitted over M = {', '.join(map(str, counts))}; "
           f"F = B = {args.action_ms:g} ms)")  # fmt: skip
-    names = [*_SCHEDULES, *(f"torch_{n}" for n in _SCHEDULES if not args.no_torch), "plain"]
+    names = [
+        *_SCHEDULES,
+        *(f"bare_{n}" for n in _SCHEDULES),
+        *(f"torch_{n}" for n in _SCHEDULES if not args.no_torch),
+        "plain",
+    ]
     print(f"{'K':>3} " + " ".join(f"{name:>12}" for name in names))
     for k, c in rows:
         print(f"{k:>3} " + " ".join(f"{c[name] * 1e3:12.3f}" for name in names))
     return fields
 
 
-def _serial_order(actions: Sequence[Sequence[Action]], stages: int) -> list[tuple[int, Action]]:
-    """Every device's actions in one order that meets their dependencies, each device's in
-    its own order."""
-    done: set[Action] = set()
-    order: list[tuple[int, Action]] = []
-    at = [0] * len(actions)
-    while len(order) < sum(map(len, actions)):
-        for d, listed in enumerate(actions):
-            while at[d] < len(listed) and all(
-                x in done for x in dependencies(listed[at[d]], stages)
-            ):
-                done.add(listed[at[d]])
-                order.append((d, listed[at[d]]))
-                at[d] += 1
-    return order
-
-
-def _replayed_serially(pipe: GPipe) -> GPipe:
-    """``pipe``, its steps replaying every device's actions on the calling thread."""
-    orders: dict[int, list[tuple[int, Action]]] = {}
-
-    def run(step: Step, schedule: Schedule) -> None:
-        order = orders.get(id(schedule))
-        if order is None:
-            order = orders[id(schedule)] = _serial_order(schedule.actions, step.stages.count)
-        state = step.state
-        state.context = CallerContext.capture(step.stages.devices)
-        state.forward_context = state.forward_context or state.context.autocast_only()
-        workers = step._workers
-        for worker in workers:
-            worker._watched = None
-        with torch.autograd.set_multithreading_enabled(False):
-            for d, action in order:
-                worker = workers[d]
-                if action.kind == FORWARD:
-                    worker.forward(action)
-                else:
-                    worker.backward(action)
-        state.context = None
-
-    pipe._run_committing = run  # type: ignore[method-assign]
-    return pipe
-
-
 def _serial_cpu(schedule: str, k: int, m: int, steps: int) -> tuple[list[float], list[float]]:
     """CPU seconds of each replayed pipe step and each plain step, taken in pairs."""
-    pipe = _replayed_serially(
-        GPipe(
-            sleep_stages(k, 0, 0),
-            [1] * k,
-            devices=["cpu"] * k,
-            chunks=m,
-            checkpoint="never",
-            schedule=schedule,
-        )
+    pipe = GPipe(
+        sleep_stages(k, 0, 0),
+        [1] * k,
+        devices=["cpu"] * k,
+        chunks=m,
+        checkpoint="never",
+        schedule=schedule,
     )
+    # NOTE: one lane, as the stages of one GPU run: every device's actions on this thread
+    pipe._stages.lanes = [list(range(k))]
     model = sleep_stages(k, 0, 0)
     x, target = torch.randn(m, 4, requires_grad=True), torch.randn(m, 4)
 
@@ -332,15 +352,19 @@ def _turns(args: argparse.Namespace) -> dict[str, object]:
     for k in args.stages:
         plain = f"action_ms_plain_k{k}"
         for name in _SCHEDULES:
-            mine = f"action_ms_{name.replace('-', '_')}_k{k}"
-            beyond = [float(t[mine]) - float(t[plain]) for t in turns]
-            middle = statistics.median(beyond)
-            print(f"K = {k}, {name}: {middle:.3f} ms per action beyond plain, median of "
-                  f"{args.turns} turns (spread {min(beyond):.3f}..{max(beyond):.3f})")  # fmt: skip
-            fields[f"beyond_plain_ms_{name.replace('-', '_')}_k{k}"] = f"{middle:.3f}"
-            fields[f"beyond_plain_spread_{name.replace('-', '_')}_k{k}"] = (
-                f"{min(beyond):.3f}..{max(beyond):.3f}"
-            )
+            key = name.replace("-", "_")
+            mine, bare = f"action_ms_{key}_k{k}", f"action_ms_bare_{key}_k{k}"
+            for what, than, label in [(mine, plain, ""), (bare, plain, "bare_"), (mine, bare, "")]:
+                beyond = [float(t[what]) - float(t[than]) for t in turns]
+                middle = statistics.median(beyond)
+                versus = "bare threads" if than == bare else "plain"
+                print(f"K = {k}, {label}{name}: {middle:.3f} ms per action beyond {versus}, "
+                      f"median of {args.turns} turns "
+                      f"(spread {min(beyond):.3f}..{max(beyond):.3f})")  # fmt: skip
+                field = f"beyond_{'bare' if than == bare else 'plain'}_ms_{label}{key}_k{k}"
+                fields[field] = f"{middle:.3f}"
+                spread = field.replace("_ms_", "_spread_")
+                fields[spread] = f"{min(beyond):.3f}..{max(beyond):.3f}"
     return fields
 
 

@@ -15,7 +15,30 @@ from gpipe.runtime.routes import Routes
 from gpipe.runtime.threads import DeviceThreads
 from gpipe.tied import TiedParameters
 
-__all__ = ["StageSet"]
+__all__ = ["StageSet", "lanes_of"]
+
+
+def lanes_of(devices: Sequence[torch.device]) -> list[list[int]]:
+    """Which pipeline devices each thread runs: every device on one GPU in one lane, every
+    other device in a lane of its own.
+
+    NOTE: a stage on a GPU queues kernels and moves on, so one thread queuing every stage
+    of that GPU, in one order, keeps it as busy as a thread per stage would; threads would
+    only compete for the GIL, a switch at every op: 4 stages on one H200 cost 1.6 to 2.3 ms
+    of CPU per action beyond plain training (benchmarks/runs/gpu_check.txt). A CPU stage's
+    ops run on its thread, so CPU stages overlap only on threads of their own.
+    """
+    lanes: list[list[int]] = []
+    gpus: dict[torch.device, list[int]] = {}
+    for d, device in enumerate(devices):
+        if device.type != "cuda":
+            lanes.append([d])
+        elif device in gpus:
+            gpus[device].append(d)
+        else:
+            gpus[device] = [d]
+            lanes.append(gpus[device])
+    return lanes
 
 
 @dataclass
@@ -59,8 +82,15 @@ class StageSet:
     # Per stage, the random stream keys of its forward and whether the module runs each
     # layer in a scope of its own (a Partition) or draws from one stream as a whole.
     keys: list[tuple[list[int], bool]] = field(init=False)
+    # The pipeline devices each thread runs, in order: one lane per GPU, one per other device
+    # (see lanes_of).
+    lanes: list[list[int]] = field(init=False)
+    # Per action lists run, the order one thread runs several devices' actions in, cached by
+    # the lists' identity (see Step.run).
+    orders: dict[int, tuple[Any, list[Any]]] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
+        self.lanes = lanes_of(self.devices)
         held = {self.placement[s] for s, module in enumerate(self.modules) if module is not None}
         self.streams = Streams({d: self.devices[d] for d in sorted(held)})
         balance = self.balance or [1] * len(self.modules)

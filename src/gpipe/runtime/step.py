@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
 
 import torch
@@ -15,7 +15,7 @@ from gpipe.runtime.state import StepState
 from gpipe.runtime.threads import Job
 from gpipe.runtime.transport import Aborted, Transport
 from gpipe.runtime.worker import StageWorker
-from gpipe.schedule import Action
+from gpipe.schedule import Action, in_one_order
 
 __all__ = ["Step"]
 
@@ -62,11 +62,12 @@ class Step:
     def run(self, actions: Sequence[Sequence[Action]]) -> None:
         """Run each device's action list concurrently; re-raise the first failure.
 
-        The first device with actions runs on the calling thread and every other device on
-        its own thread (kept by ``stages.threads`` from step to step), under the calling
-        thread's state (autocast, modes, saved-tensor hooks: see
-        :class:`~gpipe.runtime.context.CallerContext`), captured here for this run. NOTE:
-        keeping one device on the caller means a one-stage pipe (and a rank of a distributed
+        Each lane (a device, or every device on one GPU: see
+        :func:`~gpipe.runtime.stages.lanes_of`) runs on a thread: the first with actions on
+        the calling thread, every other on its own (kept by ``stages.threads`` from step to
+        step), all under the calling thread's state (autocast, modes, saved-tensor hooks:
+        see :class:`~gpipe.runtime.context.CallerContext`), captured here for this run. NOTE:
+        keeping one lane on the caller means a one-stage pipe (and a rank of a distributed
         pipe) uses no other thread, and the caller's intra-op (OpenMP) thread team keeps
         doing the work: a second team in another thread competes with it for the cores and
         was measured 2x slower.
@@ -81,15 +82,15 @@ class Step:
         self.state.context = context
         if self.state.forward_context is None:
             self.state.forward_context = context.autocast_only()
-        busy = [d for d in range(len(actions)) if actions[d]]
+        lanes = [[d for d in lane if actions[d]] for lane in self.stages.lanes]
+        lanes = [lane for lane in lanes if lane]
         jobs: list[Job] = []
         try:
-            for d in busy[1:]:
-                jobs.append(
-                    self.stages.threads.submit(d, partial(self._work, self._workers[d], actions[d]))
-                )
-            if busy:
-                self._work(self._workers[busy[0]], actions[busy[0]])
+            for lane in lanes[1:]:
+                work = partial(self._work, self._lane(lane, actions))
+                jobs.append(self.stages.threads.submit(lane[0], work))
+            if lanes:
+                self._work(self._lane(lanes[0], actions))
             for job in jobs:
                 job.wait()
         except BaseException as interrupted:  # Ctrl-C while waiting, no thread to start
@@ -115,9 +116,24 @@ class Step:
             finally:
                 del error
 
-    def _work(self, worker: StageWorker, actions: Sequence[Action]) -> None:
+    def _lane(self, lane: list[int], actions: Sequence[Sequence[Action]]) -> Callable[[], None]:
+        """What one thread runs: one device's actions, or several devices' in one order."""
+        if len(lane) == 1:
+            return partial(self._workers[lane[0]].run, actions[lane[0]])
+        cached = self.stages.orders.get(id(actions))
+        if cached is None or cached[0] is not actions:
+            if len(self.stages.orders) > 16:  # NOTE: one entry per list the pipe runs
+                self.stages.orders.clear()
+            cached = self.stages.orders[id(actions)] = (
+                actions,
+                in_one_order(actions, self.stages.count),
+            )
+        order = [(d, action) for d, action in cached[1] if d in lane]
+        return partial(_run_lane, [self._workers[d] for d in lane], order)
+
+    def _work(self, run: Callable[[], None]) -> None:
         try:
-            worker.run(actions)
+            run()
         except Aborted:
             pass
         except BaseException as exc:
@@ -135,6 +151,29 @@ class Step:
         """
         self.state.settle()
         return Timeline([list(device) for device in self.state.events], "s", schedule)
+
+
+def _run_lane(workers: list[StageWorker], order: list[tuple[int, Action]]) -> None:
+    """Run several devices' actions on this thread, in ``order`` (device, action).
+
+    NOTE: the workers share the thread, so one hands the next what the default random
+    generators looked like after the last forward (``_watched``), as one worker holding
+    every stage would keep it; a forward on another worker in between would otherwise make
+    the next look drawn from and be redone.
+    """
+    by_device = {worker.device: worker for worker in workers}
+    state = workers[0].state
+    with workers[0].entered():
+        for worker in workers:
+            worker.prepare()
+        last = workers[0]
+        for d, action in order:
+            if state.failed:
+                raise Aborted
+            worker = by_device[d]
+            if worker is not last:
+                worker._watched, last = last._watched, worker
+            worker.perform(action)
 
 
 _PLACE = "[gpipe: raised in "

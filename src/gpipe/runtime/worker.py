@@ -202,7 +202,18 @@ class StageWorker:
         self._started: Any = None
 
     def run(self, actions: Sequence[Action]) -> None:
-        """Run ``actions`` in order, under the caller's state, on this worker's device.
+        """Run ``actions`` in order, under the caller's state, on this worker's device."""
+        state = self.state
+        with self.entered():
+            self.prepare()
+            for action in actions:
+                if state.failed:
+                    raise Aborted
+                self.perform(action)
+
+    def entered(self) -> contextlib.ExitStack:
+        """The state a run's actions run in: the caller's, this worker's device, and
+        autograd's multithreading off.
 
         NOTE: with autograd's multithreading off, this thread runs its backward's every node
         itself, whatever their device. Otherwise the engine hands a GPU's nodes to its one
@@ -210,14 +221,17 @@ class StageWorker:
         runs the pipe's own backward node (:class:`~gpipe.runtime.caller.PipelineBackward`)
         on that very thread, which waits there for the other workers' gradients.
         """
-        perform = {FORWARD: self.forward, BACKWARD: self.backward}
-        on_device = (
-            torch.cuda.device(self.torch_device)
-            if self.torch_device.type == "cuda"
-            else contextlib.nullcontext()
-        )
+        stack = contextlib.ExitStack()
+        if self.state.context is not None:
+            stack.enter_context(self.state.context.entered())
+        if self.torch_device.type == "cuda":
+            stack.enter_context(torch.cuda.device(self.torch_device))
+        stack.enter_context(torch.autograd.set_multithreading_enabled(False))
+        return stack
+
+    def prepare(self) -> None:
+        """Start a run: what this worker decides once per run, inside :meth:`entered`."""
         context = self.state.context
-        after = self.state.after
         self._watched = None
         # NOTE: decided once per run: a recomputation needs the forward's autocast entered
         # only when this run's differs (pipe(x) under autocast, loss.backward() outside).
@@ -233,23 +247,24 @@ class StageWorker:
             )
             else forward.autocast_restored
         )
-        with (
-            context.entered() if context else contextlib.nullcontext(),
-            on_device,
-            torch.autograd.set_multithreading_enabled(False),
-        ):
-            if self._timed:
-                self._origin = (_timing_event(), time.perf_counter_ns())
-            for action in actions:
-                if self.state.failed:
-                    raise Aborted
-                try:
-                    perform.get(action.kind, self.weight)(action)
-                    if after is not None:
-                        after(action)
-                except Exception as exc:
-                    exc.gpipe_action = action  # type: ignore[attr-defined]
-                    raise
+        if self._timed:
+            self._origin = (_timing_event(), time.perf_counter_ns())
+
+    def perform(self, action: Action) -> None:
+        """Run one action; an error it raises is marked with the action."""
+        try:
+            if action.kind == FORWARD:
+                self.forward(action)
+            elif action.kind == BACKWARD:
+                self.backward(action)
+            else:
+                self.weight(action)
+            after = self.state.after
+            if after is not None:
+                after(action)
+        except Exception as exc:
+            exc.gpipe_action = action  # type: ignore[attr-defined]
+            raise
 
     # -- the three actions -------------------------------------------------------------
 

@@ -14,7 +14,7 @@ from gpipe.schedule.registry import (
     schedule_for,
 )
 from gpipe.schedule.schedule import Schedule, from_csv
-from gpipe.schedule.steps import Steps, run_in_steps
+from gpipe.schedule.steps import Steps, in_one_order, run_in_steps
 from gpipe.schedule.text import to_csv
 from gpipe.schedule.validate import ScheduleError, validate
 from gpipe.schedule.zero_bubble import zb_h1, zb_h2, zb_v
@@ -38,6 +38,7 @@ __all__ = [
     "from_csv",
     "gpipe",
     "greedy",
+    "in_one_order",
     "interleaved",
     "make_schedule",
     "one_f_one_b",

@@ -1,7 +1,9 @@
-"""Lock-step execution: the unit-time steps a schedule takes, as the grid prints them."""
+"""Lock-step execution: the unit-time steps a schedule takes, as the grid prints them, and
+one order of every device's actions for a thread that runs several devices."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -10,7 +12,7 @@ from gpipe.schedule.action import Action, dependencies
 if TYPE_CHECKING:
     from gpipe.schedule.schedule import Schedule
 
-__all__ = ["Steps", "run_in_steps"]
+__all__ = ["Steps", "in_one_order", "run_in_steps"]
 
 
 @dataclass(frozen=True)
@@ -66,3 +68,49 @@ def run_in_steps(schedule: Schedule) -> Steps:
         # actions takes one step each even when they share a device.
         done.update(ran)
         rows.append(row)
+
+
+def in_one_order(actions: Sequence[Sequence[Action]], stages: int) -> list[tuple[int, Action]]:
+    """Every device's actions in one order, for one thread that runs them all.
+
+    The order is the lock-step one, step by step and, within a step, device by device. It
+    keeps each device's own order and puts every action after what it needs, so threads
+    that each run some devices' actions in this order (filtered to theirs) never wait on one
+    another in a cycle. A dependency that is in no list counts as done: a backward-only run
+    follows the forwards of an earlier one.
+
+    Args:
+        actions: ``actions[d]`` is device ``d``'s list, in the order it runs them.
+        stages: the number of model stages (K·v).
+
+    Returns:
+        ``(device, action)`` pairs, every action once.
+
+    Raises:
+        ValueError: no order exists: some device's next action waits, directly or not, on
+            an action behind it in its own or another device's list.
+    """
+    present = {action for device in actions for action in device}
+    total = sum(len(listed) for listed in actions)
+    done: set[Action] = set()
+    position = [0] * len(actions)
+    order: list[tuple[int, Action]] = []
+    while len(order) < total:
+        ran = []
+        for device, listed in enumerate(actions):
+            at = position[device]
+            if at == len(listed):
+                continue
+            action = listed[at]
+            if all(dep in done or dep not in present for dep in dependencies(action, stages)):
+                ran.append((device, action))
+                position[device] = at + 1
+        if not ran:
+            stuck = [str(listed[at]) for listed, at in zip(actions, position) if at < len(listed)]
+            raise ValueError(
+                f"no device can run its next action ({', '.join(stuck)}): each waits for one "
+                "listed after it; check the schedule with gpipe.schedule.validate"
+            )
+        done.update(action for _, action in ran)
+        order += ran
+    return order
