@@ -135,3 +135,21 @@ def test_cuda_memory_is_the_allocators_peak_of_the_last_step() -> None:
     peaks = pipe.cuda_memory
     assert set(peaks) == {torch.device(d) for d in _devices()[:2]}
     assert sum(peaks.values()) >= held > 0
+
+
+def test_the_stages_of_one_gpu_run_on_the_calling_thread_in_one_stream_order() -> None:
+    """Four stages on cuda:0 are one lane: no thread of the pipe's own, and their actions,
+    timed on the GPU, never overlap."""
+    model = make_mlp(width=512)
+    pipe = GPipe(model, [4, 4, 4, 4], devices=["cuda:0"] * 4, chunks=4, schedule="1f1b")
+    x = torch.randn(4096, 512, dtype=torch.float64, device="cuda:0")
+    target = torch.zeros(4096, 512, dtype=torch.float64, device="cuda:0")
+    _, expected_loss, expected_grads, _ = reference_step(
+        copy.deepcopy(model), x, target, F.mse_loss
+    )
+    loss = pipe.train_step(x, target, F.mse_loss)
+    assert not pipe._stages.threads._threads
+    assert_close(loss, expected_loss)
+    assert_close([p.grad for p in model.parameters()], expected_grads)
+    events = sorted((e for device in pipe.timeline.events for e in device), key=lambda e: e.start)
+    assert all(a.end <= b.start + 1e-6 for a, b in itertools.pairwise(events))

@@ -33,6 +33,11 @@ VARIANTS = {
         "latency_distributed",
         ["--stages", "2", "4", "--microbatches", "8", "16"],
     ),
+    "overhead_serial": ("overhead", ["--serial"]),
+    "overhead_turns": (
+        "overhead",
+        ["--no-one-stage", "--stages", "4", "--turns", "5", "--no-torch"],
+    ),
     "schedules_distributed": ("schedules", ["--runtime", "distributed", "--microbatches", "8"]),
     "skip_distributed": ("skip", ["--distributed"]),
 }

@@ -107,7 +107,8 @@ class GPipe(StepSettings, nn.Module):
             None) evens out parameter counts, "time" measured forward + backward time,
             "memory" the memory each stage holds under the schedule (both need ``sample``).
         devices: one device per stage (extra ones go unused); None puts every stage on "cpu"
-            (as many stages as ``balance`` lists, else one per GPU, else 2).
+            (as many stages as ``balance`` lists, else one per GPU, else 2). Stages on one
+            GPU run on one thread, in one order; every other device gets a thread of its own.
         chunks: M, the number of micro-batches per mini-batch (an int; ``8.0`` is taken).
         checkpoint: "always", "except_last" or "never": which micro-batches keep only their
             stage input and recompute the stage forward in the backward.
