@@ -39,7 +39,10 @@ threads (``beyond_bare_ms``) is its own.
 Serial (``--serial``): the runtime's own CPU time per action, without threads. K stages
 of empty SleepLayers (no sleep) on K "cpu" devices run as one lane, as the stages of one GPU
 do: every device's actions on the calling thread in one dependency order (see
-``gpipe.runtime.stages.lanes_of``), so no hand-off waits and no thread competes.
+``gpipe.runtime.stages.lanes_of``), so no hand-off waits and no thread competes. Beside it,
+the same stages on a thread each (as CPU stages run, and as a GPU's stages ran before they
+shared a lane): with no sleep to overlap, this is work that only launches, like a GPU
+stage's, and the threads only compete for the GIL.
 Plain runs the same layers micro-batch by micro-batch. Both are timed by the thread's CPU
 clock (``time.thread_time``), in pairs; the per-action cost is the median over pairs of
 (pipe - plain) / 2KM. It is the bookkeeping (messages, random streams, memory counting,
@@ -288,18 +291,23 @@ def per_action(args: argparse.Namespace) -> dict[str, object]:
     return fields
 
 
-def _serial_cpu(schedule: str, k: int, m: int, steps: int) -> tuple[list[float], list[float]]:
-    """CPU seconds of each replayed pipe step and each plain step, taken in pairs."""
-    pipe = GPipe(
-        sleep_stages(k, 0, 0),
-        [1] * k,
-        devices=["cpu"] * k,
-        chunks=m,
-        checkpoint="never",
-        schedule=schedule,
-    )
-    # NOTE: one lane, as the stages of one GPU run: every device's actions on this thread
-    pipe._stages.lanes = [list(range(k))]
+def _serial_cpu(
+    schedule: str, k: int, m: int, steps: int
+) -> tuple[list[float], list[float], list[float], list[float]]:
+    """Per step, in rounds: the lane's CPU seconds, plain's, and a thread per stage's wall and
+    CPU seconds (every thread's)."""
+    pipes = []
+    for lanes in ([list(range(k))], [[d] for d in range(k)]):
+        pipe = GPipe(
+            sleep_stages(k, 0, 0),
+            [1] * k,
+            devices=["cpu"] * k,
+            chunks=m,
+            checkpoint="never",
+            schedule=schedule,
+        )
+        pipe._stages.lanes = lanes  # NOTE: one lane, as the stages of one GPU run; or threads
+        pipes.append(pipe)
     model = sleep_stages(k, 0, 0)
     x, target = torch.randn(m, 4, requires_grad=True), torch.randn(m, 4)
 
@@ -307,17 +315,22 @@ def _serial_cpu(schedule: str, k: int, m: int, steps: int) -> tuple[list[float],
         for xi, ti in zip(x.split(1), target.split(1)):
             (F.mse_loss(model(xi), ti) / m).backward()
 
-    runs = [lambda: pipe.train_step(x, target, F.mse_loss), plain]
-    for run in runs:  # warm-up: the first step probes every layer
+    lane, threads = (partial(pipe.train_step, x, target, F.mse_loss) for pipe in pipes)
+    for run in (lane, plain, threads):  # warm-up: the first step probes every layer
         run()
         run()
-    cpu: list[list[float]] = [[], []]
+    found: list[list[float]] = [[], [], [], []]
     for _ in range(steps):
-        for seconds, run in zip(cpu, runs):
+        for seconds, run in zip(found, (lane, plain)):
             began = time.thread_time()
             run()
             seconds.append(time.thread_time() - began)
-    return cpu[0], cpu[1]
+        began, began_cpu = time.perf_counter(), time.process_time()
+        threads()
+        found[2].append(time.perf_counter() - began)
+        found[3].append(time.process_time() - began_cpu)
+    pipes[1].close()
+    return found[0], found[1], found[2], found[3]
 
 
 def serial(args: argparse.Namespace) -> dict[str, object]:
@@ -327,16 +340,22 @@ def serial(args: argparse.Namespace) -> dict[str, object]:
     fields: dict[str, object] = {}
     plains: list[float] = []
     for name in _SCHEDULES:
-        pipe, plain = _serial_cpu(name, k, m, args.serial_steps)
+        pipe, plain, wall, cpu = _serial_cpu(name, k, m, args.serial_steps)
         plains += plain
         beyond = statistics.median(a - b for a, b in zip(pipe, plain)) / actions
         own = statistics.median(pipe) / actions
         print(f"serial {name}, K = {k}, M = {m}: CPU per action: pipe {own * 1e6:.1f} us, "
               f"plain {statistics.median(plain) / actions * 1e6:.1f} us, "
               f"beyond plain {beyond * 1e6:.1f} us")  # fmt: skip
+        print(f"  a thread per stage instead of the lane: {statistics.median(wall) * 1e3:.2f} ms "
+              f"per step, {statistics.median(cpu) * 1e3:.2f} ms of CPU, against the lane's "
+              f"{statistics.median(pipe) * 1e3:.2f} ms on one thread")  # fmt: skip
         key = name.replace("-", "_")
         fields[f"serial_us_{key}"] = f"{own * 1e6:.1f}"
         fields[f"serial_beyond_plain_us_{key}"] = f"{beyond * 1e6:.1f}"
+        fields[f"threads_over_lane_{key}"] = (
+            f"{statistics.median(wall) / statistics.median(pipe):.2f}"
+        )
     fields["serial_plain_us"] = f"{statistics.median(plains) / actions * 1e6:.1f}"
     return fields
 

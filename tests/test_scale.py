@@ -103,6 +103,8 @@ def _resume(
         assert result["losses"] == pytest.approx(expected, rel=1e-10, abs=1e-12)
 
 
+# NOTE: slow; in make test, a split model's checkpoint resumes on another layout (below)
+@pytest.mark.slow
 def test_resuming_on_half_the_ranks_continues_the_run_that_never_stopped(tmp_path: Path) -> None:
     _resume(tmp_path, (4, [2, 2, 2, 2], 1), (2, [4, 4], 1))
 
@@ -117,6 +119,8 @@ def test_a_checkpoint_of_sharded_optimizer_state_resumes_unsharded(tmp_path: Pat
     _resume(tmp_path, (4, [4, 4], 2), (4, [2, 2, 2, 2], 1), zero=True)
 
 
+# NOTE: slow; in make test, test_checkpoint_crash cuts saves short and resumes bitwise
+@pytest.mark.slow
 def test_a_save_killed_halfway_leaves_the_previous_checkpoint_loadable(tmp_path: Path) -> None:
     path = str(tmp_path / "ckpt")
     outcomes = launch("scale_scenarios:killed_while_saving", 2, timeout=120, path=path)
