@@ -18,8 +18,9 @@ from torch.testing import assert_close
 from conftest import make_mlp, reference_step
 from gpipe import GPipe
 from gpipe.runtime.stages import lanes_of
-from gpipe.schedule import Action, dependencies, in_one_order, make_schedule
+from gpipe.schedule import Action, Schedule, dependencies, from_csv, in_one_order, make_schedule
 from route_models import unet
+from test_nccl_rules import _custom_schedules
 from test_randomness import TARGET, X, _expected, _model
 from test_route import WHOLE, assert_gradients, reference
 
@@ -54,11 +55,17 @@ def test_one_order_of_a_small_gpipe_schedule_is_the_grids_step_by_step() -> None
     ]  # fmt: skip
 
 
-@pytest.mark.parametrize(("name", "k", "v"), BUILT_IN, ids=[n for n, _, _ in BUILT_IN])
+CUSTOM = [from_csv(csv) for csv in _custom_schedules(4, 12, seed=7)]
+
+
+@pytest.mark.parametrize(
+    "schedule",
+    [make_schedule(name, k, 8, virtual_stages=v) for name, k, v in BUILT_IN] + CUSTOM,
+    ids=[n for n, _, _ in BUILT_IN] + [f"custom{i}" for i in range(len(CUSTOM))],
+)
 def test_one_order_keeps_each_devices_order_and_puts_every_action_after_what_it_needs(
-    name: str, k: int, v: int
+    schedule: Schedule,
 ) -> None:
-    schedule = make_schedule(name, k, 8, virtual_stages=v)
     order = in_one_order(schedule.actions, schedule.stages)
     assert sorted(order) == sorted(
         (d, action) for d, listed in enumerate(schedule.actions) for action in listed
@@ -211,3 +218,26 @@ def test_a_dataflow_with_skips_trains_like_plain_pytorch_in_one_lane(
     loss = pipe.train_step(x, target, F.mse_loss, kwargs={"mask": mask})
     assert_close(loss, expected["loss"])
     assert_gradients(stages, expected, x, mask)
+
+
+def test_a_lane_runs_inference_like_the_plain_model() -> None:
+    model = make_mlp(8, dropout=0.5)
+    x = torch.randn(8, 6, dtype=torch.float64)
+    pipe = _laned(GPipe(model, [6, 6, 6, 6], devices=["cpu"] * 4, chunks=4), [[0, 1, 2, 3]])
+    pipe.eval()
+    with torch.no_grad():
+        assert_close(pipe(x), model(x))
+
+
+@pytest.mark.parametrize("schedule", CUSTOM[:4], ids=[f"custom{i}" for i in range(4)])
+def test_custom_schedules_the_validator_accepts_train_like_plain_pytorch_in_one_lane(
+    schedule: Schedule,
+) -> None:
+    model = make_mlp(8)
+    x = torch.randn(8, 6, dtype=torch.float64)
+    target = torch.randn(8, 6, dtype=torch.float64)
+    _, loss, grads, _ = reference_step(model, x, target, F.mse_loss)
+    pipe = GPipe(model, [4] * 4, devices=["cpu"] * 4, chunks=4, schedule=schedule)
+    _laned(pipe, [[0, 1, 2, 3]])
+    assert_close(pipe.train_step(x, target, F.mse_loss), loss)
+    assert_close([p.grad for p in model.parameters()], grads)

@@ -47,37 +47,17 @@ def run_in_steps(schedule: Schedule) -> Steps:
     Returns:
         The steps taken and where each device stopped.
     """
-    done: set[Action] = set()
-    position = [0] * schedule.devices
-    rows: list[list[int | None]] = []
-    while True:
-        row: list[int | None] = [None] * schedule.devices
-        ran: list[Action] = []
-        for device, actions in enumerate(schedule.actions):
-            at = position[device]
-            if at == len(actions):
-                continue
-            action = actions[at]
-            if all(dep in done for dep in dependencies(action, schedule.stages)):
-                row[device] = at
-                ran.append(action)
-                position[device] = at + 1
-        if not ran:
-            return Steps(rows, position)
-        # NOTE: results become visible only at the next step, so a chain of dependent
-        # actions takes one step each even when they share a device.
-        done.update(ran)
-        rows.append(row)
+    return _lock_step(schedule.actions, schedule.stages, set())
 
 
 def in_one_order(actions: Sequence[Sequence[Action]], stages: int) -> list[tuple[int, Action]]:
     """Every device's actions in one order, for one thread that runs them all.
 
-    The order is the lock-step one, step by step and, within a step, device by device. It
-    keeps each device's own order and puts every action after what it needs, so threads
-    that each run some devices' actions in this order (filtered to theirs) never wait on one
-    another in a cycle. A dependency that is in no list counts as done: a backward-only run
-    follows the forwards of an earlier one.
+    The order is the lock-step one (:func:`run_in_steps`), step by step and, within a step,
+    device by device. It keeps each device's own order and puts every action after what it
+    needs, so threads that each run some devices' actions in this order (filtered to
+    theirs) never wait on one another in a cycle. A dependency that is in no list counts as
+    done: a backward-only run follows the forwards of an earlier one.
 
     Args:
         actions: ``actions[d]`` is device ``d``'s list, in the order it runs them.
@@ -90,27 +70,45 @@ def in_one_order(actions: Sequence[Sequence[Action]], stages: int) -> list[tuple
         ValueError: no order exists: some device's next action waits, directly or not, on
             an action behind it in its own or another device's list.
     """
-    present = {action for device in actions for action in device}
-    total = sum(len(listed) for listed in actions)
-    done: set[Action] = set()
+    listed = {action for device in actions for action in device}
+    elsewhere = {
+        dep for action in listed for dep in dependencies(action, stages) if dep not in listed
+    }
+    steps = _lock_step(actions, stages, elsewhere)
+    stuck = [str(acts[at]) for acts, at in zip(actions, steps.next) if at < len(acts)]
+    if stuck:
+        raise ValueError(
+            f"no device can run its next action ({', '.join(stuck)}): each waits for one "
+            "listed after it; check the schedule with gpipe.schedule.validate"
+        )
+    return [
+        (device, actions[device][at])
+        for row in steps.rows
+        for device, at in enumerate(row)
+        if at is not None
+    ]
+
+
+def _lock_step(actions: Sequence[Sequence[Action]], stages: int, done: set[Action]) -> Steps:
+    """Lock-step execution of ``actions``, counting the actions in ``done`` as finished."""
+    done = set(done)
     position = [0] * len(actions)
-    order: list[tuple[int, Action]] = []
-    while len(order) < total:
-        ran = []
+    rows: list[list[int | None]] = []
+    while True:
+        row: list[int | None] = [None] * len(actions)
+        ran: list[Action] = []
         for device, listed in enumerate(actions):
             at = position[device]
             if at == len(listed):
                 continue
             action = listed[at]
-            if all(dep in done or dep not in present for dep in dependencies(action, stages)):
-                ran.append((device, action))
+            if all(dep in done for dep in dependencies(action, stages)):
+                row[device] = at
+                ran.append(action)
                 position[device] = at + 1
         if not ran:
-            stuck = [str(listed[at]) for listed, at in zip(actions, position) if at < len(listed)]
-            raise ValueError(
-                f"no device can run its next action ({', '.join(stuck)}): each waits for one "
-                "listed after it; check the schedule with gpipe.schedule.validate"
-            )
-        done.update(action for _, action in ran)
-        order += ran
-    return order
+            return Steps(rows, position)
+        # NOTE: results become visible only at the next step, so a chain of dependent
+        # actions takes one step each even when they share a device.
+        done.update(ran)
+        rows.append(row)
