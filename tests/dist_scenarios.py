@@ -445,3 +445,30 @@ def loss_dtype(dp: int) -> Any:
         "norm_dtype": str(norm.dtype),
         "norm_diff": float((norm.double() - plain_norm.double()).abs()),
     }
+
+
+def link() -> Any:
+    """What the pipe measured of its link, and where: over the pipeline's own group."""
+    from gpipe.distributed import pipe as pipe_module
+
+    calls: list[Any] = []
+    measure = pipe_module.measure_link
+
+    def spy(ranks: list[int], group: Any, device: Any = None, **kwargs: Any) -> Any:
+        calls.append((group, device))
+        return measure(ranks, group, device, **kwargs)
+
+    pipe_module.measure_link = spy
+    pipe_module._LINKS.clear()
+    try:
+        pipe = gd.DistributedGPipe(mlp(2), chunks=2, timeout=30)
+    finally:
+        pipe_module.measure_link = measure
+    latency, bandwidth = pipe._link
+    group, device = calls[0]
+    return {
+        "latency": latency,
+        "bandwidth": bandwidth,
+        "pipeline_group": group is pipe.groups.pipeline,
+        "device": str(device),
+    }

@@ -153,3 +153,16 @@ def test_the_stages_of_one_gpu_run_on_the_calling_thread_in_one_stream_order() -
     assert_close([p.grad for p in model.parameters()], expected_grads)
     events = sorted((e for device in pipe.timeline.events for e in device), key=lambda e: e.start)
     assert all(a.end <= b.start + 1e-6 for a, b in itertools.pairwise(events))
+
+
+def test_a_mixed_pipes_hand_offs_are_timed_by_the_gpu_that_copied_them() -> None:
+    pipe = GPipe(make_mlp(width=512), [8, 8], devices=["cpu", "cuda:0"], chunks=4)
+    x = torch.randn(4096, 512, dtype=torch.float64)
+    pipe.train_step(x, torch.zeros(4096, 512, dtype=torch.float64, device="cuda:0"), F.mse_loss)
+    timeline = pipe.timeline
+    assert len(timeline.transfers) == 8  # 4 activations up, 4 gradients down
+    received = {(e.action.kind, e.action.microbatch): e for e in timeline.events[1]}
+    for transfer in timeline.transfers:
+        assert 0 <= transfer.start <= transfer.end
+        if transfer.kind == "F":  # the GPU stage's forward waited, on the GPU, for its copy
+            assert transfer.end <= received["F", transfer.microbatch].start + 1e-3

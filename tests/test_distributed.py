@@ -204,6 +204,14 @@ def test_a_lost_link_is_told_in_a_short_clause_naming_the_timeout() -> None:
     assert _link_cause(timed_out, 5.0).startswith("nothing came within the timeout of 5 s")
 
 
+def test_the_link_is_measured_over_the_pipelines_group_and_agreed_by_every_rank() -> None:
+    # NOTE: on GPUs that group is NCCL's and the pipe's device a GPU: the link the stages use
+    results = check(launch("dist_scenarios:link", 2, timeout=60))
+    assert results[0] == results[1]
+    assert results[0]["pipeline_group"] and results[0]["device"] == "cpu"
+    assert 0 < results[0]["latency"] < 1.0 and 1e5 < results[0]["bandwidth"] < float("inf")
+
+
 def test_the_timeline_read_on_one_rank_alone_fails_naming_the_fix() -> None:
     outcomes = launch("dist_scenarios:timeline_on_one_rank", 2, timeout=60)
     assert outcomes[1].returncode == 0, outcomes[1].error

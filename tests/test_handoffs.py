@@ -123,7 +123,7 @@ class _FakeCuda:
     def new_stream(self, device: torch.device) -> _Stream:
         return _Stream(f"copy {device}")
 
-    def record(self, stream: _Stream) -> _Event:
+    def record(self, stream: _Stream, timing: bool = False) -> _Event:
         self.events += 1
         event = _Event(stream, self.events)
         self.log.append(("record", stream.name, event.number))
@@ -156,6 +156,10 @@ class _FakeCuda:
     def synchronize(self, event: _Event) -> None:
         self.log.append(("synchronize", event.number))
 
+    def elapsed_ms(self, start: _Event, end: _Event) -> float:
+        """The fake GPU's clock: 10 ms between one event and the next."""
+        return 10.0 * (end.number - start.number)
+
 
 @pytest.fixture
 def fake(monkeypatch: pytest.MonkeyPatch) -> _FakeCuda:
@@ -166,27 +170,31 @@ def fake(monkeypatch: pytest.MonkeyPatch) -> _FakeCuda:
 
 def test_gpu_to_cpu_is_copied_after_the_senders_event_and_waited_for(fake: _FakeCuda) -> None:
     sent = Stamped(torch.ones(3), _Event(_Stream(f"compute {GPU}"), 0), GPU)
-    received = arrive(sent, GPU, CPU, CopyStreams())
+    received, span = arrive(sent, GPU, CPU, CopyStreams())
     assert fake.log == [
         ("wait", f"copy {GPU}", 0),  # the copy stream waits for the sender's work
+        ("record", f"copy {GPU}", 1),  # the copy's start, timed
         ("move", "cpu", f"copy {GPU}"),  # the copy runs on it
-        ("record", f"copy {GPU}", 1),
-        ("synchronize", 1),  # the CPU stage reads it only once it has landed
+        ("record", f"copy {GPU}", 2),
+        ("synchronize", 2),  # the CPU stage reads it only once it has landed
     ]
     assert received.tolist() == [1, 1, 1]
+    assert span is not None and (span.device, span.start.number, span.end.number) == (GPU, 1, 2)
 
 
 def test_cpu_to_gpu_is_copied_on_a_copy_stream_the_consumer_waits_for(fake: _FakeCuda) -> None:
-    arrive([torch.ones(2), torch.zeros(2)], CPU, GPU, CopyStreams())
+    _, span = arrive([torch.ones(2), torch.zeros(2)], CPU, GPU, CopyStreams())
     copy, consumer = f"copy {GPU}", f"compute {GPU}"
     assert fake.log == [
+        ("record", copy, 1),
         ("move", str(GPU), copy),
         ("record_stream", consumer),  # allocated on the copy stream, used on the consumer's
         ("move", str(GPU), copy),
         ("record_stream", consumer),
-        ("record", copy, 1),
-        ("wait", consumer, 1),  # on the GPU: no host sync
+        ("record", copy, 2),
+        ("wait", consumer, 2),  # on the GPU: no host sync
     ]
+    assert span is not None and (span.device, span.start.number, span.end.number) == (GPU, 1, 2)
 
 
 def test_gpu_to_gpu_copies_on_both_copy_streams_after_the_senders_event(
@@ -194,15 +202,18 @@ def test_gpu_to_gpu_copies_on_both_copy_streams_after_the_senders_event(
 ) -> None:
     on_gpu = torch.ones(2, device="meta")  # NOTE: stands for a tensor on the GPU
     sent = Stamped(on_gpu, _Event(_Stream(f"compute {GPU}"), 0), GPU)
-    arrive(sent, GPU, GPU1, CopyStreams())
+    _, span = arrive(sent, GPU, GPU1, CopyStreams())
     assert fake.log == [
         ("wait", f"copy {GPU}", 0),
+        ("wait", f"copy {GPU1}", 0),  # NOTE: so the copy is timed on one device, the target
+        ("record", f"copy {GPU1}", 1),
         ("move", str(GPU1), f"copy {GPU}", f"copy {GPU1}"),  # both devices' current streams
         ("record_stream", f"copy {GPU}"),  # the sender may free its tensor before the copy
         ("record_stream", f"compute {GPU1}"),
-        ("record", f"copy {GPU1}", 1),
-        ("wait", f"compute {GPU1}", 1),
+        ("record", f"copy {GPU1}", 2),
+        ("wait", f"compute {GPU1}", 2),
     ]
+    assert span is not None and span.device == GPU1
 
 
 def test_copy_streams_are_made_once_per_device(fake: _FakeCuda) -> None:
@@ -227,19 +238,37 @@ def test_transport_stamps_messages_leaving_a_gpu_and_moves_them_on_arrival(
     assert fake.log == []  # nothing to wait for: the CPU finished it
     transport.recv((ACTIVATION, 1, 0))
     assert fake.log == [
+        ("record", f"copy {GPU}", 4),
         ("move", str(GPU), f"copy {GPU}"),
         ("record_stream", f"caller {GPU}"),
-        ("record", f"copy {GPU}", 3),
-        ("wait", f"caller {GPU}", 3),  # the receiving stage's stream: the caller's
+        ("record", f"copy {GPU}", 5),
+        ("wait", f"caller {GPU}", 5),  # the receiving stage's stream: the caller's
     ]
 
 
 def test_stages_on_one_gpu_hand_off_without_events(fake: _FakeCuda) -> None:
     transport = LocalTransport((0, 1), [GPU, GPU])
+    transport.reset()
     value = torch.ones(2)
     transport.send((ACTIVATION, 1, 0), value)
     assert transport.recv((ACTIVATION, 1, 0)) is value
-    assert fake.log == []  # one stream orders them
+    assert fake.log == []  # one stream orders them; no copy to time
+
+
+def test_a_copy_a_gpu_ran_spans_the_time_the_gpu_ran_it(fake: _FakeCuda) -> None:
+    """Placed by the event each GPU recorded as the step began, 10 ms per fake event."""
+    transport = LocalTransport((0, 1), [CPU, GPU])
+    transport.reset()
+    origin_event, origin_ns = transport._origins[GPU]
+    assert fake.log == [("record", f"compute {GPU}", origin_event.number)]
+    transport.send((ACTIVATION, 1, 0), torch.ones(2))  # CPU to GPU: copied at the receiver
+    transport.recv((ACTIVATION, 1, 0))
+    transport.send((GRADIENT, 0, 0), torch.ones(2))  # GPU to CPU
+    transport.recv((GRADIENT, 0, 0))
+    forward, backward = transport.transfers(origin_ns)
+    assert (forward.start, forward.end) == pytest.approx((0.010, 0.020))
+    assert (backward.start, backward.end) == pytest.approx((0.040, 0.050))
+    assert (forward.source, forward.target, backward.source, backward.target) == (0, 1, 1, 0)
 
 
 def test_worker_threads_enter_the_callers_streams(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -395,7 +395,9 @@ class DistributedGPipe(StepSettings, nn.Module):
         pipeline = self.layout.pipeline
         self._clock_offset_ns = offsets_to_rank0(pipeline, self.groups.control)
         if tuple(pipeline) not in _LINKS:
-            _LINKS[tuple(pipeline)] = measure_link(pipeline, self.groups.control)
+            _LINKS[tuple(pipeline)] = measure_link(
+                pipeline, self.groups.pipeline, self.torch_device
+            )
         self._link = _LINKS[tuple(pipeline)]
         self._transport = Executor(
             placement,

@@ -21,13 +21,13 @@ a fake device in its place and check which stream each copy is issued on.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from gpipe.structure import map_tensors
 
-__all__ = ["Stamped", "arrive", "cuda", "stamp"]
+__all__ = ["Span", "Stamped", "arrive", "cuda", "stamp"]
 
 
 class _Cuda:
@@ -39,11 +39,16 @@ class _Cuda:
     def new_stream(self, device: torch.device) -> Any:
         return torch.cuda.Stream(device)
 
-    def record(self, stream: Any) -> Any:
-        """An event recorded on ``stream`` now."""
-        event = torch.cuda.Event()
+    def record(self, stream: Any, timing: bool = False) -> Any:
+        """An event recorded on ``stream`` now (``timing``: one that can be timed)."""
+        event = torch.cuda.Event(enable_timing=timing)
         event.record(stream)
         return event
+
+    def elapsed_ms(self, start: Any, end: Any) -> float:
+        """Milliseconds on the GPU from ``start`` to ``end``, waiting for ``end`` first."""
+        end.synchronize()
+        return float(start.elapsed_time(end))
 
     def on_stream(self, stream: Any) -> Any:
         """A context in which ``stream`` is the current stream of its device."""
@@ -83,6 +88,14 @@ def stamp(value: Any, device: torch.device) -> Stamped:
     return Stamped(value, cuda.record(cuda.current_stream(device)), device)
 
 
+class Span(NamedTuple):
+    """When a copy ran on the GPU: timing events on its copy stream, read when asked for."""
+
+    device: torch.device
+    start: Any
+    end: Any
+
+
 class CopyStreams:
     """One copy stream per device, made at its first copy and kept for the pipe's life."""
 
@@ -101,8 +114,9 @@ class CopyStreams:
 
 def arrive(
     message: Any, source: torch.device | None, target: torch.device, copies: CopyStreams
-) -> Any:
-    """``message`` moved to ``target``, ready for this thread to use there.
+) -> tuple[Any, Span | None]:
+    """``message`` moved to ``target``, ready for this thread to use there, and when a GPU
+    copied it (None when no GPU did).
 
     Args:
         message: what the sender sent: :class:`Stamped` if it came from a GPU stage.
@@ -119,10 +133,11 @@ def arrive(
     if source is not None and source.type == "cpu" and target.type == "cuda":
         return _to_gpu(message, target, copies)
     # NOTE: blocking to the CPU: an asynchronous copy would be read before it lands.
-    return map_tensors(lambda t: t.to(target, non_blocking=target.type == "cuda"), message)
+    moved = map_tensors(lambda t: t.to(target, non_blocking=target.type == "cuda"), message)
+    return moved, None
 
 
-def _to_gpu(message: Any, target: torch.device, copies: CopyStreams) -> Any:
+def _to_gpu(message: Any, target: torch.device, copies: CopyStreams) -> tuple[Any, Span]:
     """From a CPU stage: copied on ``target``'s copy stream, which its user waits for."""
     stream, consumer = copies(target), cuda.current_stream(target)
 
@@ -132,13 +147,15 @@ def _to_gpu(message: Any, target: torch.device, copies: CopyStreams) -> Any:
             cuda.record_stream(moved, consumer)
         return moved
 
+    start = cuda.record(stream, timing=True)
     with cuda.on_stream(stream):
         moved = map_tensors(move, message)
-    cuda.wait(consumer, cuda.record(stream))
-    return moved
+    end = cuda.record(stream, timing=True)
+    cuda.wait(consumer, end)
+    return moved, Span(target, start, end)
 
 
-def _between_gpus(message: Stamped, target: torch.device, copies: CopyStreams) -> Any:
+def _between_gpus(message: Stamped, target: torch.device, copies: CopyStreams) -> tuple[Any, Span]:
     """From another GPU: a copy runs on the current streams of both devices, so both are
     copy streams here, the source's waiting for the sender's event."""
     sending, receiving = copies(message.device), copies(target)
@@ -153,19 +170,25 @@ def _between_gpus(message: Stamped, target: torch.device, copies: CopyStreams) -
         cuda.record_stream(moved, consumer)
         return moved
 
+    # NOTE: timed on one device (the target's copy stream), from the sender's event on
+    cuda.wait(receiving, message.event)
+    start = cuda.record(receiving, timing=True)
     with cuda.on_stream(receiving), cuda.on_stream(sending):
         moved = map_tensors(move, message.value)
     # NOTE: torch's copy between GPUs leaves the destination's current stream waiting for it
-    cuda.wait(consumer, cuda.record(receiving))
-    return moved
+    end = cuda.record(receiving, timing=True)
+    cuda.wait(consumer, end)
+    return moved, Span(target, start, end)
 
 
-def _to_cpu(message: Stamped, target: torch.device, copies: CopyStreams) -> Any:
+def _to_cpu(message: Stamped, target: torch.device, copies: CopyStreams) -> tuple[Any, Span]:
     """From a GPU to a CPU stage: copied on the source's copy stream, which waits for the
     sender's event; this thread then waits for the copy alone, not for the GPU's other work."""
     stream = copies(message.device)
     cuda.wait(stream, message.event)
+    start = cuda.record(stream, timing=True)
     with cuda.on_stream(stream):
         moved = map_tensors(lambda t: cuda.move(t, target), message.value)
-    cuda.synchronize(cuda.record(stream))
-    return moved
+    end = cuda.record(stream, timing=True)
+    cuda.synchronize(end)
+    return moved, Span(message.device, start, end)

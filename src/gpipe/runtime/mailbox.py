@@ -9,7 +9,8 @@ from typing import Any
 import torch
 
 from gpipe.analysis import Transfer
-from gpipe.runtime.copies import CopyStreams, arrive, stamp
+from gpipe.runtime import copies
+from gpipe.runtime.copies import CopyStreams, Span, arrive, stamp
 from gpipe.runtime.routes import Routes
 from gpipe.runtime.transport import ACTIVATION, GRADIENT, Aborted, Tag, sending_stage
 from gpipe.schedule import BACKWARD, FORWARD
@@ -141,6 +142,12 @@ class LocalTransport:
         # append); the devices, stages and times are worked out only when asked for.
         self._sent: list[tuple[Tag, int, int]] = []  # (tag, when sent, bytes)
         self._arrived: dict[Tag, int] = {}  # messages moved on receipt: when they arrived
+        # Copies a GPU ran: when, by its clock (see Span), placed on the host's clock by an
+        # event each GPU's stream recorded as the step began, beside the host's time then.
+        moving = {(self._sources[key], devices[placement[key[1]]]) for key in self._sources}
+        self._gpus = sorted({d for pair in moving for d in pair if d.type == "cuda"}, key=str)
+        self._spans: dict[Tag, Span] = {}
+        self._origins: dict[torch.device, tuple[Any, int]] = {}
 
     def _box(self, stage: int) -> Mailbox:
         if 0 <= stage < len(self._placement):
@@ -154,6 +161,11 @@ class LocalTransport:
         self._caller.clear()
         self._sent = []
         self._arrived = {}
+        self._spans = {}
+        self._origins = {
+            gpu: (copies.cuda.record(copies.cuda.current_stream(gpu), timing=True), _now())
+            for gpu in self._gpus
+        }
 
     def send(self, tag: Tag, value: Any) -> None:
         """Deliver ``value`` to the receiver of ``tag``; never blocks."""
@@ -172,9 +184,11 @@ class LocalTransport:
         if key in self._local:
             return value
         target = self._devices[self._placement[tag[1]]]
-        value = arrive(value, self._sources.get(key), target, self._copies)
+        value, span = arrive(value, self._sources.get(key), target, self._copies)
         if key in self._crossing:
             self._arrived[tag] = _now()
+            if span is not None:
+                self._spans[tag] = span
         return value
 
     def collect(self, tag: Tag) -> Any:
@@ -190,11 +204,19 @@ class LocalTransport:
     def transfers(self, origin_ns: int) -> list[Transfer]:
         """The messages between pipeline devices since the last :meth:`reset`, in seconds
         from ``origin_ns``: each from its send to its arrival (its move to the receiving
-        device; a hand-off within one torch.device arrives as it is sent)."""
+        device; a hand-off within one torch.device arrives as it is sent). A copy a GPU ran
+        spans the time the GPU ran it (waiting for it to), as the timeline's actions do."""
         transfers = []
         for tag, sent, nbytes in list(self._sent):
             source, target = self._crossing[tag[:2] + tag[3:]]
-            arrived = self._arrived.get(tag, sent)
+            start = (sent - origin_ns) / 1e9
+            end = (self._arrived.get(tag, sent) - origin_ns) / 1e9
+            span = self._spans.get(tag)
+            if span is not None and span.device in self._origins:
+                event, at_ns = self._origins[span.device]
+                at = (at_ns - origin_ns) / 1e9
+                start = at + copies.cuda.elapsed_ms(event, span.start) / 1e3
+                end = at + copies.cuda.elapsed_ms(event, span.end) / 1e3
             transfers.append(
                 Transfer(
                     FORWARD if tag[0] == ACTIVATION else BACKWARD,
@@ -202,8 +224,8 @@ class LocalTransport:
                     tag[2],
                     source,
                     target,
-                    (sent - origin_ns) / 1e9,
-                    (arrived - origin_ns) / 1e9,
+                    start,
+                    end,
                     nbytes,
                     sending_stage(tag),
                 )
