@@ -46,6 +46,34 @@ def reference_step(
     return output.detach(), loss.detach(), grads, x.grad
 
 
+def custom_schedules(devices: int, count: int, seed: int) -> list[str]:
+    """Built-in schedules with each device's list shuffled by swaps, kept if valid."""
+    import dataclasses
+    import random
+
+    from gpipe.schedule import ScheduleError, make_schedule
+
+    rng = random.Random(seed)
+    found: list[str] = []
+    while len(found) < count:
+        base = make_schedule(rng.choice(["gpipe", "1f1b", "zb-h1"]), devices, 4)
+        rows = []
+        for actions in base.actions:
+            order = list(actions)
+            for _ in range(rng.randint(1, 8)):
+                i = rng.randrange(len(order) - 1)
+                order[i], order[i + 1] = order[i + 1], order[i]
+            rows.append(order)
+        schedule = dataclasses.replace(base, name="custom", actions=rows)
+        try:
+            schedule.validate()
+        except ScheduleError:
+            continue
+        if schedule.actions != base.actions:
+            found.append(schedule.to_csv())
+    return found
+
+
 def fresh_python(code: str, timeout: float = 60) -> str:
     """What ``code`` prints, run in a new interpreter: for what a process loads, or does,
     the first time (imports, one-time costs), which this test process has long done."""

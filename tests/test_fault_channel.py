@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch.distributed as dist
@@ -85,60 +87,60 @@ class Freezable:
         return call
 
 
-def _channels(store: Any, world: int, **kwargs: Any) -> list[FaultChannel]:
-    return [
-        FaultChannel(store, "p", r, lambda failure: None, world=world, token=b"k", **kwargs)
+@contextlib.contextmanager
+def _channels(world: int, beat: float = 0.1) -> Iterator[list[FaultChannel]]:
+    """A channel per rank on one in-process store, all closed at the end, passed or not."""
+    store = dist.HashStore()
+    channels = [
+        FaultChannel(store, "p", r, lambda failure: None, world=world, token=b"k", beat=beat)
         for r in range(world)
     ]
+    try:
+        yield channels
+    finally:
+        for channel in channels:
+            channel.close()
 
 
 def test_the_culprit_is_the_rank_whose_beats_stopped_not_the_one_waited_for() -> None:
-    channels = _channels(dist.HashStore(), 3, beat=0.1)
-    for channel in channels:
-        channel.progress = lambda: {"done": 0, "waiting": True}
-        channel._busy = 1  # inside a step
-    time.sleep(0.3)
-    channels[1].close()  # rank 1 stops beating: stopped, or dead
-    failure = channels[0].culprit(2, "rank 0 got nothing from rank 2", [0, 1, 2])
-    assert failure.rank == 1 and "stopped answering" in failure.error, failure
-    assert "rank 0 got nothing from rank 2" in failure.error
-    for channel in channels:
-        channel.close()
+    with _channels(3) as channels:
+        for channel in channels:
+            channel.progress = lambda: {"done": 0, "waiting": True}
+            channel._busy = 1  # inside a step
+        time.sleep(0.3)
+        channels[1].close()  # rank 1 stops beating: stopped, or dead
+        failure = channels[0].culprit(2, "rank 0 got nothing from rank 2", [0, 1, 2])
+        assert failure.rank == 1 and "stopped answering" in failure.error, failure
+        assert "rank 0 got nothing from rank 2" in failure.error
 
 
 def test_the_culprit_is_a_rank_that_beats_but_makes_no_progress_outside_a_wait() -> None:
-    channels = _channels(dist.HashStore(), 3, beat=0.1)
-    count = iter(range(10**6))
-    channels[1].progress = lambda: {"done": 7, "waiting": False, "doing": "a step"}  # stuck
-    channels[2].progress = lambda: {"done": next(count), "waiting": False}  # working
-    for channel in channels:
-        channel._busy = 1
-    time.sleep(0.3)
-    failure = channels[0].culprit(2, "rank 0 got nothing from rank 2", [0, 1, 2])
-    assert failure.rank == 1 and "made no progress" in failure.error, failure
-    for channel in channels:
-        channel.close()
+    with _channels(3) as channels:
+        count = iter(range(10**6))
+        channels[1].progress = lambda: {"done": 7, "waiting": False, "doing": "a step"}  # stuck
+        channels[2].progress = lambda: {"done": next(count), "waiting": False}  # working
+        for channel in channels:
+            channel._busy = 1
+        time.sleep(0.3)
+        failure = channels[0].culprit(2, "rank 0 got nothing from rank 2", [0, 1, 2])
+        assert failure.rank == 1 and "made no progress" in failure.error, failure
 
 
 def test_with_every_rank_alive_and_waiting_the_culprit_is_the_suspect() -> None:
-    channels = _channels(dist.HashStore(), 2, beat=0.1)
-    for channel in channels:
-        channel.progress = lambda: {"done": 0, "waiting": True}
-        channel._busy = 1
-    time.sleep(0.3)
-    failure = channels[0].culprit(1, "rank 0 lost its link to rank 1", [0, 1])
-    assert failure.rank == 1 and failure.error.startswith("rank 0 lost its link to rank 1")
-    assert channels[0].culprit(-1, "a collective broke", None).rank == -1
-    for channel in channels:
-        channel.close()
+    with _channels(2) as channels:
+        for channel in channels:
+            channel.progress = lambda: {"done": 0, "waiting": True}
+            channel._busy = 1
+        time.sleep(0.3)
+        failure = channels[0].culprit(1, "rank 0 lost its link to rank 1", [0, 1])
+        assert failure.rank == 1 and failure.error.startswith("rank 0 lost its link to rank 1")
+        assert channels[0].culprit(-1, "a collective broke", None).rank == -1
 
 
 def test_a_reported_failure_wins_over_any_culprit() -> None:
-    channels = _channels(dist.HashStore(), 2, beat=0.1)
-    reported = channels[1].publish(Failure(1, "ValueError: boom"))
-    assert channels[0].culprit(1, "rank 0 lost its link to rank 1", [0, 1]) == reported
-    for channel in channels:
-        channel.close()
+    with _channels(2) as channels:
+        reported = channels[1].publish(Failure(1, "ValueError: boom"))
+        assert channels[0].culprit(1, "rank 0 lost its link to rank 1", [0, 1]) == reported
 
 
 def test_a_silent_store_names_rank_0_that_hosts_it_within_its_bound() -> None:
@@ -176,36 +178,32 @@ def test_a_forged_failure_record_is_ignored_and_a_real_one_replaces_it() -> None
 
 
 def test_a_rank_between_steps_is_named_only_when_no_rank_in_the_step_is_stuck() -> None:
-    channels = _channels(dist.HashStore(), 3, beat=0.1)
-    channels[0].progress = lambda: {"done": 0, "waiting": True}
-    channels[2].progress = lambda: {"done": 3, "waiting": False, "doing": "a step"}  # stuck
-    channels[0]._busy = channels[2]._busy = 1
-    with channels[1].busy():  # rank 1 did its part of the step, and left it
+    with _channels(3) as channels:
+        channels[0].progress = lambda: {"done": 0, "waiting": True}
+        channels[2].progress = lambda: {"done": 3, "waiting": False, "doing": "a step"}  # stuck
+        channels[0]._busy = channels[2]._busy = 1
+        with channels[1].busy():  # rank 1 did its part of the step, and left it
+            time.sleep(0.3)
         time.sleep(0.3)
-    time.sleep(0.3)
-    failure = channels[0].culprit(2, "rank 0 got nothing from rank 2", [0, 1, 2])
-    assert failure.rank == 2 and "made no progress" in failure.error, failure
-    channels[2]._busy = 0  # now rank 2 waits for rank 1, which is outside the step
-    channels[2].progress = lambda: {"done": 3, "waiting": True}
-    channels[2]._busy = 1
-    failure = channels[0].culprit(2, "rank 0 got nothing from rank 2", [0, 1, 2])
-    assert failure.rank == 1 and "outside the pipe's step" in failure.error, failure
-    for channel in channels:
-        channel.close()
+        failure = channels[0].culprit(2, "rank 0 got nothing from rank 2", [0, 1, 2])
+        assert failure.rank == 2 and "made no progress" in failure.error, failure
+        channels[2]._busy = 0  # now rank 2 waits for rank 1, which is outside the step
+        channels[2].progress = lambda: {"done": 3, "waiting": True}
+        channels[2]._busy = 1
+        failure = channels[0].culprit(2, "rank 0 got nothing from rank 2", [0, 1, 2])
+        assert failure.rank == 1 and "outside the pipe's step" in failure.error, failure
 
 
 def test_a_rank_that_left_an_earlier_step_and_fell_silent_is_named_as_stopped() -> None:
     # rank 1 finished step 1, entered step 2 and was stopped before its first beat there:
     # its last record says idle, but of an earlier step than the one rank 0 waits in
-    channels = _channels(dist.HashStore(), 2, beat=0.1)
-    channels[0].progress = lambda: {"done": 0, "waiting": True}
-    with channels[1].busy():
+    with _channels(2) as channels:
+        channels[0].progress = lambda: {"done": 0, "waiting": True}
+        with channels[1].busy():
+            time.sleep(0.3)
         time.sleep(0.3)
-    time.sleep(0.3)
-    with channels[0].busy():  # step 1
-        pass
-    with channels[0].busy():  # step 2, where rank 0 waits for rank 1
-        failure = channels[0].culprit(1, "rank 0 got nothing from rank 1", [0, 1])
-    assert failure.rank == 1 and "stopped answering" in failure.error, failure
-    for channel in channels:
-        channel.close()
+        with channels[0].busy():  # step 1
+            pass
+        with channels[0].busy():  # step 2, where rank 0 waits for rank 1
+            failure = channels[0].culprit(1, "rank 0 got nothing from rank 1", [0, 1])
+        assert failure.rank == 1 and "stopped answering" in failure.error, failure

@@ -15,12 +15,11 @@ from torch import nn
 from torch.nn import functional as F
 from torch.testing import assert_close
 
-from conftest import make_mlp, reference_step
+from conftest import custom_schedules, make_mlp, reference_step
 from gpipe import GPipe
 from gpipe.runtime.stages import lanes_of
 from gpipe.schedule import Action, Schedule, dependencies, from_csv, in_one_order, make_schedule
 from route_models import unet
-from test_nccl_rules import _custom_schedules
 from test_randomness import TARGET, X, _expected, _model
 from test_route import WHOLE, assert_gradients, reference
 
@@ -55,7 +54,7 @@ def test_one_order_of_a_small_gpipe_schedule_is_the_grids_step_by_step() -> None
     ]  # fmt: skip
 
 
-CUSTOM = [from_csv(csv) for csv in _custom_schedules(4, 12, seed=7)]
+CUSTOM = [from_csv(csv) for csv in custom_schedules(4, 12, seed=7)]
 
 
 @pytest.mark.parametrize(

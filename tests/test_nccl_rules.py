@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import custom_schedules
 from ranks import check, launch
 
 pytestmark = pytest.mark.timeout(240)
@@ -70,37 +71,9 @@ def test_a_rank_whose_init_fn_raises_ends_every_rank_within_seconds_naming_it() 
             assert outcome.seconds - raised < 30, (outcome.seconds, raised)
 
 
-def _custom_schedules(devices: int, count: int, seed: int) -> list[str]:
-    """Built-in schedules with each device's list shuffled by swaps, kept if valid."""
-    import dataclasses
-    import random
-
-    from gpipe.schedule import ScheduleError, make_schedule
-
-    rng = random.Random(seed)
-    found: list[str] = []
-    while len(found) < count:
-        base = make_schedule(rng.choice(["gpipe", "1f1b", "zb-h1"]), devices, 4)
-        rows = []
-        for actions in base.actions:
-            order = list(actions)
-            for _ in range(rng.randint(1, 8)):
-                i = rng.randrange(len(order) - 1)
-                order[i], order[i + 1] = order[i + 1], order[i]
-            rows.append(order)
-        schedule = dataclasses.replace(base, name="custom", actions=rows)
-        try:
-            schedule.validate()
-        except ScheduleError:
-            continue
-        if schedule.actions != base.actions:
-            found.append(schedule.to_csv())
-    return found
-
-
 @pytest.mark.parametrize("world", [2, 4])
 def test_random_custom_schedules_the_validator_accepts_run_under_nccls_rules(world: int) -> None:
-    csvs = _custom_schedules(world, 4, seed=world)
+    csvs = custom_schedules(world, 4, seed=world)
     for worst in check(launch("lowering_scenarios:custom", world, csvs=csvs)):
         assert len(worst) == 3 * len(csvs) and max(worst) < 1e-12, worst
 

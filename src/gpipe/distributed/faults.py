@@ -261,8 +261,8 @@ class FaultChannel:
         idle = [
             r
             for r in others
-            if (after[r] or {}).get("busy") is False
-            and (after[r] or {}).get("entered", 0) >= self._entered
+            if (record := after[r] or {}).get("busy") is False
+            and record.get("entered", 0) >= self._entered
         ]
         for rank in others:
             now = after[rank]

@@ -118,8 +118,9 @@ class Step:
 
     def _lane(self, lane: list[int], actions: Sequence[Sequence[Action]]) -> Callable[[], None]:
         """What one thread runs: one device's actions, or several devices' in one order."""
+        workers = [self._workers[d] for d in lane]
         if len(lane) == 1:
-            return partial(self._workers[lane[0]].run, actions[lane[0]])
+            return partial(_run_lane, workers, [(lane[0], action) for action in actions[lane[0]]])
         cached = self.stages.orders.get(id(actions))
         if cached is None or cached[0] is not actions:
             if len(self.stages.orders) > 16:  # NOTE: one entry per list the pipe runs
@@ -129,7 +130,7 @@ class Step:
                 in_one_order(actions, self.stages.count),
             )
         order = [(d, action) for d, action in cached[1] if d in lane]
-        return partial(_run_lane, [self._workers[d] for d in lane], order)
+        return partial(_run_lane, workers, order)
 
     def _work(self, run: Callable[[], None]) -> None:
         try:
@@ -154,9 +155,10 @@ class Step:
 
 
 def _run_lane(workers: list[StageWorker], order: list[tuple[int, Action]]) -> None:
-    """Run several devices' actions on this thread, in ``order`` (device, action).
+    """Run one or several devices' actions on this thread, in ``order`` (device, action),
+    under the caller's state; stop before the next action once the step failed.
 
-    NOTE: the workers share the thread, so one hands the next what the default random
+    NOTE: several workers share the thread, so one hands the next what the default random
     generators looked like after the last forward (``_watched``), as one worker holding
     every stage would keep it; a forward on another worker in between would otherwise make
     the next look drawn from and be redone.

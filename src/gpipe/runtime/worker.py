@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -20,7 +20,7 @@ from gpipe.runtime.saved import SavedBytes, gradient_bytes, storage_keys, tensor
 from gpipe.runtime.split_backward import backward_input, backward_weight
 from gpipe.runtime.stages import StageSet
 from gpipe.runtime.state import Saved, StepState
-from gpipe.runtime.transport import ACTIVATION, GRADIENT, Aborted, Transport
+from gpipe.runtime.transport import ACTIVATION, GRADIENT, Transport
 from gpipe.schedule import BACKWARD, FORWARD, Action
 from gpipe.structure import leaves, map_tensors
 
@@ -201,19 +201,9 @@ class StageWorker:
         self._origin: tuple[Any, int] | None = None
         self._started: Any = None
 
-    def run(self, actions: Sequence[Action]) -> None:
-        """Run ``actions`` in order, under the caller's state, on this worker's device."""
-        state = self.state
-        with self.entered():
-            self.prepare()
-            for action in actions:
-                if state.failed:
-                    raise Aborted
-                self.perform(action)
-
     def entered(self) -> contextlib.ExitStack:
         """The state a run's actions run in: the caller's, this worker's device, and
-        autograd's multithreading off.
+        autograd's multithreading off (entered by the lane that runs this worker).
 
         NOTE: with autograd's multithreading off, this thread runs its backward's every node
         itself, whatever their device. Otherwise the engine hands a GPU's nodes to its one
