@@ -283,7 +283,9 @@ def section_speed(args: argparse.Namespace) -> Iterator[tuple[str, Callable[[], 
         ]
     }
     # NOTE: as before lanes, a thread per stage on the one GPU: what a lane saves, measured
-    threads = GPipe(model, balance, devices=[gpu] * 4, chunks=m, schedule="1f1b")
+    threads = GPipe(
+        model, balance, devices=[gpu] * 4, chunks=m, schedule="1f1b", checkpoint="never"
+    )
     threads._stages.lanes = [[d] for d in range(4)]
     pipes["1f1b+threads"] = threads
     runs: dict[str, Callable[[], None]] = {}

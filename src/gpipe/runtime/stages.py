@@ -24,9 +24,10 @@ def lanes_of(devices: Sequence[torch.device]) -> list[list[int]]:
 
     NOTE: a stage on a GPU queues kernels and moves on, so one thread queuing every stage
     of that GPU, in one order, keeps it as busy as a thread per stage would; threads would
-    only compete for the GIL, a switch at every op: 4 stages on one H200 cost 1.6 to 2.3 ms
-    of CPU per action beyond plain training (benchmarks/runs/gpu_check.txt). A CPU stage's
-    ops run on its thread, so CPU stages overlap only on threads of their own.
+    only compete for the GIL, a switch at every op: 4 stages of 1F1B on one H200 took 1.039x
+    plain training's step on a thread each, 1.85 ms of CPU per action beyond plain, and
+    1.006x in one lane, 35 us (benchmarks/runs/gpu_check_h200_lanes.txt). A CPU stage's ops
+    run on its thread, so CPU stages overlap only on threads of their own.
     """
     lanes: list[list[int]] = []
     gpus: dict[torch.device, list[int]] = {}
