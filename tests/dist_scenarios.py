@@ -472,3 +472,53 @@ def link() -> Any:
         "pipeline_group": group is pipe.groups.pipeline,
         "device": str(device),
     }
+
+
+class _LaggingGpu:
+    """A fake GPU whose stream gets to each mark ``lag_ms`` after the host queued it."""
+
+    def __init__(self, lag_ms: float) -> None:
+        self.lag_ms = lag_ms
+        self.marks = 0
+
+    def current_stream(self, device: torch.device) -> str:
+        return f"stream of {device}"
+
+    def record(self, stream: str, timing: bool = False) -> tuple[int, int]:
+        self.marks += 1
+        return (time.perf_counter_ns(), self.marks)
+
+    def elapsed_ms(self, start: tuple[int, int], end: tuple[int, int]) -> float:
+        return (end[0] - start[0]) / 1e6 + (self.lag_ms if end != start else 0.0)
+
+
+def gpu_timed_messages(lag_ms: float = 50.0) -> Any:
+    """Each activation's arrival beside the start of the forward that read it, in seconds:
+    one step on the host's clock, then one whose messages a (fake) GPU carried, its stream
+    ``lag_ms`` behind the host, as NCCL's are: the timeline shows when the GPU had them."""
+    from gpipe.runtime import copies
+
+    os.environ["GPIPE_POSTER"] = "batched"  # NcclPoster's path: one batch_isend_irecv each
+    pipe = gd.DistributedGPipe(mlp(2), chunks=4, timeout=30)
+    x, y = torch.randn(8, WIDTH, dtype=torch.float64), torch.randn(8, WIDTH, dtype=torch.float64)
+
+    def gaps() -> list[float]:
+        pipe.train_step(x, y, nn.functional.mse_loss)
+        timeline = pipe.timeline
+        starts = {
+            (e.action.stage, e.action.microbatch): e.start
+            for device in timeline.events
+            for e in device
+            if e.action.kind == "F"
+        }
+        return [t.end - starts[t.stage, t.microbatch] for t in timeline.transfers if t.kind == "F"]
+
+    host = gaps()
+    fake = _LaggingGpu(lag_ms)
+    real, copies.cuda = copies.cuda, fake
+    try:
+        pipe._transport._clock = copies.GpuClock(torch.device("cuda", 0))
+        lagged = gaps()
+    finally:
+        copies.cuda = real
+    return {"host": host, "gpu": lagged, "marks": fake.marks}

@@ -212,6 +212,18 @@ def test_the_link_is_measured_over_the_pipelines_group_and_agreed_by_every_rank(
     assert 0 < results[0]["latency"] < 1.0 and 1e5 < results[0]["bandwidth"] < float("inf")
 
 
+def test_messages_a_gpu_stream_carries_are_timed_when_the_stream_had_them() -> None:
+    """On NCCL the host only queues a message; its arrival is marked on the GPU's stream.
+    A (fake) stream 50 ms behind the host moves each arrival 50 ms later on the timeline."""
+    results = check(launch("dist_scenarios:gpu_timed_messages", 2, timeout=60))
+    for result in results:
+        assert result["marks"] > 0
+    receiving = results[1]  # stage 1 is rank 1's: it receives every activation
+    assert len(receiving["host"]) == len(receiving["gpu"]) == 4
+    assert all(gap <= 0.001 for gap in receiving["host"]), receiving  # before its forward
+    assert all(0.045 <= gap <= 0.1 for gap in receiving["gpu"]), receiving
+
+
 def test_the_timeline_read_on_one_rank_alone_fails_naming_the_fix() -> None:
     outcomes = launch("dist_scenarios:timeline_on_one_rank", 2, timeout=60)
     assert outcomes[1].returncode == 0, outcomes[1].error

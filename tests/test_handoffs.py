@@ -26,7 +26,7 @@ from conftest import make_mlp
 from gpipe import Action, Event, GPipe
 from gpipe.runtime import copies
 from gpipe.runtime.context import CallerContext
-from gpipe.runtime.copies import CopyStreams, Stamped, arrive
+from gpipe.runtime.copies import CopyStreams, GpuClock, Stamped, arrive
 from gpipe.runtime.mailbox import LocalTransport
 from gpipe.runtime.state import StepState
 from gpipe.runtime.transport import ACTIVATION, GRADIENT
@@ -259,7 +259,7 @@ def test_a_copy_a_gpu_ran_spans_the_time_the_gpu_ran_it(fake: _FakeCuda) -> None
     """Placed by the event each GPU recorded as the step began, 10 ms per fake event."""
     transport = LocalTransport((0, 1), [CPU, GPU])
     transport.reset()
-    origin_event, origin_ns = transport._origins[GPU]
+    origin_event, origin_ns = transport._clocks[GPU]._origin
     assert fake.log == [("record", f"compute {GPU}", origin_event.number)]
     transport.send((ACTIVATION, 1, 0), torch.ones(2))  # CPU to GPU: copied at the receiver
     transport.recv((ACTIVATION, 1, 0))
@@ -269,6 +269,20 @@ def test_a_copy_a_gpu_ran_spans_the_time_the_gpu_ran_it(fake: _FakeCuda) -> None
     assert (forward.start, forward.end) == pytest.approx((0.010, 0.020))
     assert (backward.start, backward.end) == pytest.approx((0.040, 0.050))
     assert (forward.source, forward.target, backward.source, backward.target) == (0, 1, 1, 0)
+
+
+def test_a_gpu_clock_reads_its_marks_on_the_hosts_clock(fake: _FakeCuda) -> None:
+    """A mark is the GPU's time since the origin (10 ms per fake event), after the host's
+    time at the origin; it is recorded on the device's current stream, whichever that is."""
+    clock = GpuClock(GPU)
+    with pytest.raises(RuntimeError, match="before start"):
+        clock.ns(fake.record(_Stream(f"compute {GPU}")))
+    clock.start()
+    origin_event, origin_ns = clock._origin
+    with fake.on_stream(_Stream(f"copy {GPU}")):
+        mark = clock.mark()
+    assert fake.log[-1] == ("record", f"copy {GPU}", mark.number)
+    assert clock.ns(mark) == origin_ns + 10_000_000 * (mark.number - origin_event.number)
 
 
 def test_worker_threads_enter_the_callers_streams(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -19,6 +19,7 @@ that depend on the data) is an error naming it: its receiver posted other shapes
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ import torch
 from gpipe.distributed.faults import Failure, PipelineFailure, brief
 from gpipe.distributed.posting import Message, Poster, poster_for
 from gpipe.distributed.wire import Signature, decode, encode, flatten, rebuild, receive_buffers
+from gpipe.runtime.copies import GpuClock
 from gpipe.runtime.mailbox import Mailbox
 from gpipe.runtime.step import unplaced
 from gpipe.runtime.transport import Aborted, Tag, sending_stage
@@ -43,7 +45,8 @@ class Transfer:
     """One message received from another rank, as the timeline shows it.
 
     Times are this rank's ``perf_counter_ns``: ``posted`` when its receive was posted,
-    ``done`` when its tensors were known to have arrived.
+    ``done`` when its tensors were known to have arrived (on NCCL, when the GPU's stream had
+    them: see :meth:`Executor.settle`).
     """
 
     tag: Tag
@@ -116,6 +119,15 @@ class Executor:
         self.failure: Failure | None = None
         self.transfers: list[Transfer] = []  # received this step
         self.sent: list[tuple[Tag, int, int]] = []  # (tag, peer, perf_counter_ns) this step
+        # NOTE: on NCCL the host never waits for a message (a wait is the stream's), so its
+        # clock says when a message was queued, not when it moved: each hand-over and arrival
+        # is also marked on this rank's GPU stream, and read by settle().
+        self._clock = (
+            GpuClock(torch_device)
+            if torch_device.type == "cuda" and self._poster.stream_waits
+            else None
+        )
+        self._marks: list[tuple[bool, int, Any]] = []  # (sent?, index, GPU mark) this step
 
     # -- the Transport protocol --------------------------------------------------------
 
@@ -130,6 +142,24 @@ class Executor:
         self._posted = self._ran = 0
         self.transfers = []
         self.sent = []
+        self._marks = []
+        if self._clock is not None:
+            self._clock.start()
+
+    def settle(self) -> None:
+        """Time this step's messages by the GPU's stream, where it carried them (NCCL):
+        each hand-over when the sender's stream had the message ready, each arrival when
+        the receiver's stream had it (waiting for the GPU to get there)."""
+        clock, marks, self._marks = self._clock, self._marks, []
+        if clock is None:
+            return
+        for sent, index, mark in marks:
+            at = clock.ns(mark)
+            if sent:
+                tag, peer, _ = self.sent[index]
+                self.sent[index] = (tag, peer, at)
+            else:
+                self.transfers[index] = dataclasses.replace(self.transfers[index], done_ns=at)
 
     def begin(self, program: list[Batch], key: Any) -> None:
         """This step's batches (this rank's part of the lowered schedule), and its key:
@@ -158,6 +188,8 @@ class Executor:
             self._advance()
             receipt = self._receipts.pop(tag)
             self._poster.wait(receipt.message)
+            if self._clock is not None:
+                self._marks.append((False, len(self.transfers), self._clock.mark()))
         except Aborted:
             raise self._raised() from None
         except TimeoutError:
@@ -308,6 +340,9 @@ class Executor:
             messages.append(message)
         self._poster.post(messages)
         now = time.perf_counter_ns()
+        if self._clock is not None and outgoing:
+            mark = self._clock.mark()
+            self._marks += [(True, len(self.sent) + i, mark) for i in range(len(outgoing))]
         self.sent.extend((tag, peer, now) for tag, peer, _, _ in outgoing)
         if not self.overlap:
             for message in messages:

@@ -62,6 +62,10 @@ class Message:
 class Poster:
     """Puts batches on the wire; see the module docstring for the three kinds."""
 
+    # Whether a wait is the GPU stream's, not the host's (the host's clock then says when a
+    # message was queued, not when it moved)
+    stream_waits = False
+
     def __init__(self, group: Any, timeout: float, on_error: Callable[[int, BaseException], None]):
         self.group = group
         self.timeout = timeout
@@ -122,6 +126,8 @@ def _wire(tensor: torch.Tensor) -> torch.Tensor:
 
 class NcclPoster(Poster):
     """NCCL: a batch is one group call; waits are stream waits, never host waits."""
+
+    stream_waits = True
 
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)

@@ -39,6 +39,7 @@ def gather_timeline(
         return (ns - offset_ns) / 1e9
 
     step.state.settle()  # NOTE: GPU actions are timed by CUDA events, read only now
+    transport.settle()  # and so are the messages NCCL carried
     origin = seconds(step.state.origin_ns)
     mine = {
         "events": [

@@ -20,6 +20,7 @@ a fake device in its place and check which stream each copy is issued on.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -27,7 +28,7 @@ import torch
 
 from gpipe.structure import map_tensors
 
-__all__ = ["Span", "Stamped", "arrive", "cuda", "stamp"]
+__all__ = ["GpuClock", "Span", "Stamped", "arrive", "cuda", "stamp"]
 
 
 class _Cuda:
@@ -94,6 +95,35 @@ class Span(NamedTuple):
     device: torch.device
     start: Any
     end: Any
+
+
+class GpuClock:
+    """Times on a GPU's current stream, placed on the host's clock when read.
+
+    :meth:`start` records an event as a step begins, beside the host's time then; every
+    later :meth:`mark` is an event on the stream, and :meth:`ns` reads it as the host's
+    ``perf_counter_ns`` at which the GPU got there. NOTE: a mark costs one event record; it
+    is read (waiting for the GPU) only when the timeline is.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._origin: tuple[Any, int] | None = None
+
+    def start(self) -> None:
+        """The step begins: the origin every later mark is timed from."""
+        self._origin = (self.mark(), time.perf_counter_ns())
+
+    def mark(self) -> Any:
+        """An event on the device's current stream: when the GPU gets to this point."""
+        return cuda.record(cuda.current_stream(self.device), timing=True)
+
+    def ns(self, mark: Any) -> int:
+        """When the GPU reached ``mark``, on the host's clock (waits for it to)."""
+        if self._origin is None:
+            raise RuntimeError("GpuClock.ns before start(): no origin to time from")
+        origin, at_ns = self._origin
+        return at_ns + round(cuda.elapsed_ms(origin, mark) * 1e6)
 
 
 class CopyStreams:

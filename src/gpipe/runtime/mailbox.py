@@ -9,8 +9,7 @@ from typing import Any
 import torch
 
 from gpipe.analysis import Transfer
-from gpipe.runtime import copies
-from gpipe.runtime.copies import CopyStreams, Span, arrive, stamp
+from gpipe.runtime.copies import CopyStreams, GpuClock, Span, arrive, stamp
 from gpipe.runtime.routes import Routes
 from gpipe.runtime.transport import ACTIVATION, GRADIENT, Aborted, Tag, sending_stage
 from gpipe.schedule import BACKWARD, FORWARD
@@ -142,12 +141,12 @@ class LocalTransport:
         # append); the devices, stages and times are worked out only when asked for.
         self._sent: list[tuple[Tag, int, int]] = []  # (tag, when sent, bytes)
         self._arrived: dict[Tag, int] = {}  # messages moved on receipt: when they arrived
-        # Copies a GPU ran: when, by its clock (see Span), placed on the host's clock by an
-        # event each GPU's stream recorded as the step began, beside the host's time then.
+        # Copies a GPU ran: when, by its clock (see Span), read on the host's clock by a
+        # GpuClock per GPU, started as the step begins.
         moving = {(self._sources[key], devices[placement[key[1]]]) for key in self._sources}
         self._gpus = sorted({d for pair in moving for d in pair if d.type == "cuda"}, key=str)
         self._spans: dict[Tag, Span] = {}
-        self._origins: dict[torch.device, tuple[Any, int]] = {}
+        self._clocks = {gpu: GpuClock(gpu) for gpu in self._gpus}
 
     def _box(self, stage: int) -> Mailbox:
         if 0 <= stage < len(self._placement):
@@ -162,10 +161,8 @@ class LocalTransport:
         self._sent = []
         self._arrived = {}
         self._spans = {}
-        self._origins = {
-            gpu: (copies.cuda.record(copies.cuda.current_stream(gpu), timing=True), _now())
-            for gpu in self._gpus
-        }
+        for clock in self._clocks.values():
+            clock.start()
 
     def send(self, tag: Tag, value: Any) -> None:
         """Deliver ``value`` to the receiver of ``tag``; never blocks."""
@@ -212,11 +209,10 @@ class LocalTransport:
             start = (sent - origin_ns) / 1e9
             end = (self._arrived.get(tag, sent) - origin_ns) / 1e9
             span = self._spans.get(tag)
-            if span is not None and span.device in self._origins:
-                event, at_ns = self._origins[span.device]
-                at = (at_ns - origin_ns) / 1e9
-                start = at + copies.cuda.elapsed_ms(event, span.start) / 1e3
-                end = at + copies.cuda.elapsed_ms(event, span.end) / 1e3
+            if span is not None and span.device in self._clocks:
+                clock = self._clocks[span.device]
+                start = (clock.ns(span.start) - origin_ns) / 1e9
+                end = (clock.ns(span.end) - origin_ns) / 1e9
             transfers.append(
                 Transfer(
                     FORWARD if tag[0] == ACTIVATION else BACKWARD,
