@@ -304,24 +304,23 @@ def test_worker_threads_enter_the_callers_streams(monkeypatch: pytest.MonkeyPatc
     assert context.autocast_only().streams == ()
 
 
-def test_gpu_action_times_come_from_their_events_when_the_timeline_is_read() -> None:
-    class Timed:
-        def __init__(self, ms: float) -> None:
-            self.ms, self.waited = ms, False
-
-        def synchronize(self) -> None:
-            self.waited = True
-
-        def elapsed_time(self, other: Timed) -> float:
-            return other.ms - self.ms
-
+def test_gpu_action_times_come_from_their_events_when_the_timeline_is_read(
+    fake: _FakeCuda,
+) -> None:
+    """Read by the GPU's clock: 10 ms per fake event after the origin, which the host saw
+    a second after the step began."""
     state = StepState(1, 1, grad=True, checkpoint="never", seed=0)
     state.events[0].append(Event(Action("F", 0, 0), 0.001, 0.002, 5))
-    origin, start, end = Timed(0.0), Timed(3.0), Timed(7.5)
-    state.timed.append((0, 0, origin, state.origin_ns + 10**9, start, end))
+    clock = GpuClock(GPU)
+    clock.start()
+    assert clock._origin is not None
+    clock._origin = (clock._origin[0], state.origin_ns + 10**9)
+    start, end = clock.mark(), clock.mark()
+    state.timed.append((0, 0, clock, start, end))
     state.settle()
-    assert state.events[0][0] == Event(Action("F", 0, 0), 1.003, 1.0075, 5)
-    assert end.waited and state.timed == []
+    (event,) = state.events[0]
+    assert (event.start, event.end, event.memory) == (pytest.approx(1.010), pytest.approx(1.020), 5)
+    assert state.timed == []
 
 
 def test_cuda_memory_is_empty_on_cpu() -> None:

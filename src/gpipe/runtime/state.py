@@ -79,8 +79,8 @@ class StepState:
     retain_graph: bool = False  # the backward keeps every micro-batch for another backward
     origin_ns: int = field(default_factory=time.perf_counter_ns)
     # Actions run on a GPU, timed by CUDA events until settle() reads them: (device, index
-    # in its events, the run's origin event, the origin's clock in ns, start, end event).
-    timed: list[tuple[int, int, Any, int, Any, Any]] = field(default_factory=list)
+    # in its events, the GPU's clock, start mark, end mark).
+    timed: list[tuple[int, int, Any, Any, Any]] = field(default_factory=list)
     # The CUDA allocator's peak on each GPU since the step began (track_memory only).
     cuda_peaks: dict[torch.device, int] = field(default_factory=dict)
 
@@ -91,17 +91,15 @@ class StepState:
     def settle(self) -> None:
         """Give each action run on a GPU the times the GPU ran it (waiting for it to).
 
-        Its start and end are its CUDA events' times after the event recorded as its run
-        began, placed at the clock time that event was recorded; so a GPU that was still
-        busy with earlier work then shows its actions late by as much.
+        Its start and end are its CUDA events, read on the host's clock by the device's
+        :class:`~gpipe.runtime.copies.GpuClock` (from an event recorded as its run began);
+        so a GPU that was still busy with earlier work then shows its actions late by as much.
         """
-        for device, index, origin, origin_ns, start, end in self.timed:
-            end.synchronize()
-            at = (origin_ns - self.origin_ns) / 1e9
+        for device, index, clock, start, end in self.timed:
             event = self.events[device][index]
             self.events[device][index] = dataclasses.replace(
                 event,
-                start=at + origin.elapsed_time(start) / 1e3,
-                end=at + origin.elapsed_time(end) / 1e3,
+                start=(clock.ns(start) - self.origin_ns) / 1e9,
+                end=(clock.ns(end) - self.origin_ns) / 1e9,
             )
         self.timed.clear()

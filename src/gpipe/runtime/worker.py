@@ -16,6 +16,7 @@ from gpipe.batchnorm import recomputing
 from gpipe.checkpoint import checkpointed
 from gpipe.randomness import LOSS_KEY
 from gpipe.randomness.streams import GeneratorStates
+from gpipe.runtime.copies import GpuClock
 from gpipe.runtime.saved import SavedBytes, gradient_bytes, storage_keys, tensor_bytes
 from gpipe.runtime.split_backward import backward_input, backward_weight
 from gpipe.runtime.stages import StageSet
@@ -197,8 +198,7 @@ class StageWorker:
         self._autocast_key: tuple[Any, ...] = ()  # the forward's autocast, in saved_bytes keys
         # On a GPU, each action's start and end are CUDA events on its stream, read when the
         # timeline is (StepState.settle), against an event recorded as each run began.
-        self._timed = self.torch_device.type == "cuda"
-        self._origin: tuple[Any, int] | None = None
+        self._clock = GpuClock(self.torch_device) if self.torch_device.type == "cuda" else None
         self._started: Any = None
 
     def entered(self) -> contextlib.ExitStack:
@@ -237,8 +237,8 @@ class StageWorker:
             )
             else forward.autocast_restored
         )
-        if self._timed:
-            self._origin = (_timing_event(), time.perf_counter_ns())
+        if self._clock is not None:
+            self._clock.start()
 
     def perform(self, action: Action) -> None:
         """Run one action; an error it raises is marked with the action."""
@@ -572,8 +572,8 @@ class StageWorker:
 
     def _begin(self) -> int:
         """Mark an action's start: now, and on a GPU when its stream gets here."""
-        if self._timed:
-            self._started = _timing_event()
+        if self._clock is not None:
+            self._started = self._clock.mark()
         return time.perf_counter_ns()
 
     def _record(self, action: Action, start_ns: int, memory: int | None = None) -> None:
@@ -584,11 +584,9 @@ class StageWorker:
         """
         origin = self.state.origin_ns
         end_ns = time.perf_counter_ns()
-        if self._timed:
-            assert self._origin is not None
-            self.state.timed.append(
-                (self.device, len(self.events), *self._origin, self._started, _timing_event())
-            )
+        if self._clock is not None:
+            marks = (self._clock, self._started, self._clock.mark())
+            self.state.timed.append((self.device, len(self.events), *marks))
         self.events.append(
             Event(
                 action,
@@ -597,10 +595,3 @@ class StageWorker:
                 self.held if memory is None else memory,
             )
         )
-
-
-def _timing_event() -> Any:
-    """A CUDA event recorded now on the current stream, for timing."""
-    event = torch.cuda.Event(enable_timing=True)
-    event.record()
-    return event
