@@ -143,6 +143,44 @@ def test_a_reported_failure_wins_over_any_culprit() -> None:
         assert channels[0].culprit(1, "rank 0 lost its link to rank 1", [0, 1]) == reported
 
 
+class Slow:
+    """A store whose beat writes take ``seconds`` (a busy host, as every rank exits)."""
+
+    def __init__(self, seconds: float) -> None:
+        self.store = dist.HashStore()
+        self.seconds = seconds
+        self.writing = threading.Event()
+        self.written = threading.Event()
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self.store, name)
+
+        def call(*args: Any) -> Any:
+            slow = name == "set" and "/alive/" in args[0]
+            if slow:
+                self.writing.set()
+                time.sleep(self.seconds)
+            result = method(*args)
+            if slow:
+                self.written.set()
+            return result
+
+        return call
+
+
+def test_close_waits_for_the_store_requests_in_flight() -> None:
+    """A request that returns once the interpreter is finalizing aborts the process, so
+    the close at exit must not leave one behind (it waited a second for the beats)."""
+    store = Slow(1.8)
+    channel = FaultChannel(store, "p", 0, lambda failure: None, world=2, beat=0.05)
+    channel.progress = lambda: {"done": 0, "waiting": False}
+    channel._busy = 1  # inside a step: beating
+    assert store.writing.wait(5)
+    channel.close()
+    assert store.written.is_set()
+    assert not [t for t in threading.enumerate() if t.name == "gpipe-store-request"]
+
+
 def test_a_silent_store_names_rank_0_that_hosts_it_within_its_bound() -> None:
     store = Freezable()
     channel = FaultChannel(store, "p", 1, lambda failure: None, world=2, ask=0.5)

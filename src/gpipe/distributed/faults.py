@@ -138,6 +138,7 @@ class FaultChannel:
         self._left = threading.Event()  # wakes the beats: the rank left its step, or closed
         self._lock = threading.Lock()
         self._silent = False  # the store did not answer once: ask it nothing more
+        self._asking: set[threading.Thread] = set()  # store requests in flight (see _ask)
         self._busy = 0
         self._entered = 0  # steps (and constructions) entered: the same count on every rank
         self._beats = 0
@@ -294,10 +295,16 @@ class FaultChannel:
         )
 
     def close(self) -> None:
-        """Stop watching and beating: wake this rank's watcher, and wait (a second at most).
+        """Stop watching and beating: wake this rank's watcher, and wait until it, the beats
+        and every store request in flight have ended (``ask`` s and one more at most).
 
-        NOTE: a watcher still asking the store while the interpreter exits can abort the
-        process (the store goes away under a thread in C++); pipes close at exit for that.
+        NOTE: a thread whose store request returns once the interpreter is finalizing aborts
+        the process ("terminate called without an active exception": Python ends the thread
+        as it takes the GIL back, inside torch's C++ frames; any daemon thread returning from
+        a torch call then does, 6 exits in 6). Pipes close at exit, and this close waited a
+        second for the beats, not for a beat's request still in flight: a healthy 4-rank
+        job on 2 cores aborted so at exit now and then (4 runs in about 200). A store found
+        silent is waited for no more: a request it never answers never returns.
         """
         if self._stop.is_set():
             return
@@ -305,9 +312,12 @@ class FaultChannel:
         self._left.set()
         with contextlib.suppress(Exception):  # the store is gone: the watcher has ended
             self._ask(self._store.set, self._wake(self._rank), b"closed")
-        deadline = time.monotonic() + 1.0
+        deadline = time.monotonic() + self._ask_within + 1.0
         for thread in (self._thread, self._beating):
             if thread is not threading.current_thread() and not self._silent:
+                thread.join(timeout=max(0.0, deadline - time.monotonic()))
+        for thread in list(self._asking):  # NOTE: after the threads that may ask
+            if not self._silent:
                 thread.join(timeout=max(0.0, deadline - time.monotonic()))
 
     def _wake(self, rank: int) -> str:
@@ -387,8 +397,11 @@ class FaultChannel:
             except BaseException as error:
                 answer.append((False, error))
             done.set()
+            self._asking.discard(threading.current_thread())
 
-        threading.Thread(target=run, name="gpipe-store-request", daemon=True).start()
+        thread = threading.Thread(target=run, name="gpipe-store-request", daemon=True)
+        self._asking.add(thread)
+        thread.start()
         deadline = time.monotonic() + self._ask_within
         while not done.wait(0.05):
             if self._silent or time.monotonic() > deadline:  # NOTE: or another request found
