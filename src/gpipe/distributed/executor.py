@@ -149,7 +149,12 @@ class Executor:
     def settle(self) -> None:
         """Time this step's messages by the GPU's stream, where it carried them (NCCL):
         each hand-over when the sender's stream had the message ready, each arrival when
-        the receiver's stream had it (waiting for the GPU to get there)."""
+        the receiver's stream had it (waiting for the GPU to get there).
+
+        NOTE: marked on the stream the stage runs on, after its wait for NCCL's, so a
+        receiver still busy with earlier work shows the arrival late by as much (as a GPU
+        still busy shows its actions late); NCCL's own stream is not ours to mark.
+        """
         clock, marks, self._marks = self._clock, self._marks, []
         if clock is None:
             return
