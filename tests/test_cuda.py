@@ -126,6 +126,18 @@ def test_gpu_timeline_shows_when_the_gpu_ran_each_action() -> None:
         assert all(a.end <= b.start + 1e-6 for a, b in itertools.pairwise(device))
 
 
+def test_the_timeline_of_a_forward_then_a_backward_keeps_each_gpus_order() -> None:
+    """pipe(x), then loss.backward(): two runs of one step, each timed from its own start."""
+    pipe = GPipe(make_mlp(width=512), [8, 8], devices=_devices()[:2], chunks=4)
+    x = torch.randn(4096, 512, dtype=torch.float64, device=pipe.devices[0], requires_grad=True)
+    y = pipe(x)
+    F.mse_loss(y, torch.zeros_like(y)).backward()
+    events = pipe.timeline.events
+    assert sum(len(device) for device in events) == 16
+    for device in events:
+        assert all(0 <= a.start <= a.end <= b.start + 1e-6 for a, b in itertools.pairwise(device))
+
+
 def test_cuda_memory_is_the_allocators_peak_of_the_last_step() -> None:
     pipe = GPipe(make_mlp(width=512), [8, 8], devices=_devices()[:2], chunks=4)
     x = torch.randn(4096, 512, dtype=torch.float64, device=pipe.devices[0])

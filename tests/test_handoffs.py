@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import threading
+import types
 from collections.abc import Iterator
 from typing import Any, ClassVar
 
@@ -30,6 +31,7 @@ from gpipe.runtime.copies import CopyStreams, GpuClock, Stamped, arrive
 from gpipe.runtime.mailbox import LocalTransport
 from gpipe.runtime.state import StepState
 from gpipe.runtime.transport import ACTIVATION, GRADIENT
+from gpipe.runtime.worker import StageWorker
 
 GPU = torch.device("cuda:0")
 GPU1 = torch.device("cuda:1")
@@ -321,6 +323,28 @@ def test_gpu_action_times_come_from_their_events_when_the_timeline_is_read(
     (event,) = state.events[0]
     assert (event.start, event.end, event.memory) == (pytest.approx(1.010), pytest.approx(1.020), 5)
     assert state.timed == []
+
+
+def test_each_run_of_a_gpu_worker_reads_its_actions_by_its_own_clock(fake: _FakeCuda) -> None:
+    """pipe(x), then loss.backward(): two runs of one step, each timed from its own start."""
+    stages = types.SimpleNamespace(devices=[GPU], routes=None, last=0)
+    state = StepState(1, 1, grad=True, checkpoint="never", seed=0)
+    worker = StageWorker(stages, 0, None, state)  # type: ignore[arg-type]
+    clocks = []
+    for action in (Action("F", 0, 0), Action("B", 0, 0)):
+        worker.prepare()
+        assert worker._clock is not None
+        clocks.append(worker._clock)
+        worker._record(action, worker._begin())
+    first, second = clocks
+    assert first is not second
+    assert [entry[2] for entry in state.timed] == [first, second]
+    state.settle()
+    forward, backward = state.events[0]
+    for event, clock in ((forward, first), (backward, second)):  # 10 ms per fake event
+        assert clock._origin is not None
+        assert event.start == pytest.approx((clock._origin[1] + 10**7 - state.origin_ns) / 1e9)
+        assert event.end == pytest.approx(event.start + 0.010)
 
 
 def test_cuda_memory_is_empty_on_cpu() -> None:

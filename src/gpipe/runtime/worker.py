@@ -197,8 +197,9 @@ class StageWorker:
         self._autocast_restored: Callable[[], AbstractContextManager[None]] | None = None
         self._autocast_key: tuple[Any, ...] = ()  # the forward's autocast, in saved_bytes keys
         # On a GPU, each action's start and end are CUDA events on its stream, read when the
-        # timeline is (StepState.settle), against an event recorded as each run began.
-        self._clock = GpuClock(self.torch_device) if self.torch_device.type == "cuda" else None
+        # timeline is (StepState.settle), by a clock started as its run began (a new one for
+        # each run: pipe(x), then loss.backward(), are two runs of one step).
+        self._clock: GpuClock | None = None
         self._started: Any = None
 
     def entered(self) -> contextlib.ExitStack:
@@ -237,7 +238,8 @@ class StageWorker:
             )
             else forward.autocast_restored
         )
-        if self._clock is not None:
+        if self.torch_device.type == "cuda":
+            self._clock = GpuClock(self.torch_device)
             self._clock.start()
 
     def perform(self, action: Action) -> None:
