@@ -29,6 +29,8 @@ Sections:
   rank) on the same model, as a reference.
 - overhead: the runtime's CPU cost per action (``benchmarks/overhead.py``'s fit at K=4),
   beside bare Python threads, on this host's cores.
+- plan: the planner's predicted peak memory against the CUDA allocator's after a real step
+  (Adam's state in place), and the headroom ``Plan.calibrate`` makes of them.
 
 The report's last line is ``RESULT key=value ...``.
 """
@@ -53,13 +55,21 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zb-v")
 _VIRTUAL = {"interleaved": 2, "zb-v": 2}
 # A case's own timeout, seconds, inside its section's process (the first case of a
 # section also pays CUDA's start-up).
-_CASE_TIMEOUT = {"parity": 25.0, "speed": 55.0, "torch": 30.0, "overhead": 60.0, "backward": 15.0}
+_CASE_TIMEOUT = {
+    "parity": 25.0,
+    "speed": 55.0,
+    "torch": 30.0,
+    "overhead": 60.0,
+    "plan": 60.0,
+    "backward": 15.0,
+}
 _SECTION_TIMEOUT = {
     "tests": 60.0,
     "parity": 70.0,
     "speed": 80.0,
     "torch": 35.0,
     "overhead": 70.0,
+    "plan": 70.0,
     "backward": 60.0,
 }
 
@@ -486,11 +496,66 @@ def section_overhead(args: argparse.Namespace) -> Iterator[tuple[str, Callable[[
     yield "overhead fit", measure
 
 
+def section_plan(args: argparse.Namespace) -> Iterator[tuple[str, Callable[[], str]]]:
+    """The planner's predicted peak against the CUDA allocator's, after a real step with
+    Adam's state in place, and the headroom ``Plan.calibrate`` makes of them."""
+    import torch
+    from torch import nn
+    from torch.nn import functional as F
+
+    from gpipe import GPipe, plan
+
+    def measure() -> str:
+        device = _device()
+        width, layers, batch = (64, 4, 32) if args.smoke else (2048, 8, 2048)
+        torch.manual_seed(0)
+        blocks = [nn.Sequential(nn.Linear(width, width), nn.GELU()) for _ in range(layers)]
+        model = nn.Sequential(*blocks).to(device)
+        x = torch.randn(batch, width, device=device)
+        y = torch.randn(batch, width, device=device)
+        report = plan(
+            model,
+            x,
+            batch,
+            [device],
+            "60GB",
+            optimizer="adam",
+            loss_fn=F.mse_loss,
+            target=y,
+            schedules=["1f1b"],
+            chunks=[4],
+            checkpoints=["never", "always"],
+            progress=False,
+        )
+        lines = []
+        for best in report.plans[:2]:
+            pipe = GPipe.from_plan(model, best)
+            optimizer = torch.optim.Adam(model.parameters())
+            for _ in range(2):  # the second step starts with Adam's state in place
+                pipe.train_step(x, y, F.mse_loss)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            headroom = best.calibrate(pipe)
+            measured = pipe.cuda_memory.get(torch.device(device))
+            _result(f"plan_headroom_{best.checkpoint}", f"{headroom:.3f}")
+            lines.append(
+                f"{best.describe()}: predicted peak {best.peak_memory[0] / 2**20:.1f} MiB, "
+                f"allocator's {'-' if measured is None else f'{measured / 2**20:.1f}'} MiB, "
+                f"headroom {headroom:.3f}"
+            )
+            pipe.close()
+            del pipe, optimizer
+        return "\n".join(lines)
+
+    yield "plan headroom", measure
+
+
 SECTIONS: dict[str, Callable[[argparse.Namespace], Iterator[tuple[str, Callable[[], str]]]]] = {
     "parity": section_parity,
     "speed": section_speed,
     "torch": section_torch,
     "overhead": section_overhead,
+    "plan": section_plan,
     "backward": section_parity,
 }
 
