@@ -221,7 +221,7 @@ def test_messages_a_gpu_stream_carries_are_timed_when_the_stream_had_them() -> N
     receiving = results[1]  # stage 1 is rank 1's: it receives every activation
     assert len(receiving["host"]) == len(receiving["gpu"]) == 4
     assert all(gap <= 0.001 for gap in receiving["host"]), receiving  # before its forward
-    assert all(0.045 <= gap <= 0.1 for gap in receiving["gpu"]), receiving
+    assert all(0.03 <= gap <= 0.051 for gap in receiving["gpu"]), receiving  # 50 ms less the hop
 
 
 def test_the_timeline_read_on_one_rank_alone_fails_naming_the_fix() -> None:
