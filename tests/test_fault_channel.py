@@ -11,7 +11,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from gpipe.distributed.faults import Failure, FaultChannel
+from gpipe.distributed.faults import Failure, FaultChannel, wait_for
 
 
 class Counting:
@@ -245,3 +245,25 @@ def test_a_rank_that_left_an_earlier_step_and_fell_silent_is_named_as_stopped() 
         with channels[0].busy():  # step 2, where rank 0 waits for rank 1
             failure = channels[0].culprit(1, "rank 0 got nothing from rank 1", [0, 1])
         assert failure.rank == 1 and "stopped answering" in failure.error, failure
+
+
+def test_a_collectives_work_is_freed_on_the_waiting_thread_not_its_helper() -> None:
+    """torch frees a work with the GIL released: freed on a daemon helper as the interpreter
+    finalizes, that aborts the process. The helper lets go of it before saying it is done."""
+    freed: list[str] = []
+
+    class Work:
+        def is_completed(self) -> bool:
+            return False
+
+        def wait(self) -> None:
+            time.sleep(0.01)
+
+        def __del__(self) -> None:
+            freed.append(threading.current_thread().name)
+
+    for _ in range(20):
+        work = Work()
+        wait_for(work, None, lambda: None, 0)  # type: ignore[arg-type]
+        del work
+    assert freed == [threading.current_thread().name] * 20

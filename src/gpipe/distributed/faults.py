@@ -495,13 +495,19 @@ def wait_for(
         return
     done = threading.Event()
     broke: list[BaseException] = []
+    # NOTE: the helper lets go of the work before saying it is done, so the work is freed on
+    # this thread, never on the helper: torch frees a work with the GIL released, and a
+    # daemon thread taking the GIL back as the interpreter finalizes aborts the process.
+    handed = [work]
 
     def wait() -> None:
+        held = handed.pop()
         try:
-            work.wait()
+            held.wait()
         except BaseException as error:
             broke.append(error)
         finally:
+            del held
             done.set()
 
     threading.Thread(target=wait, name="gpipe-collective", daemon=True).start()
