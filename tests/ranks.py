@@ -76,6 +76,7 @@ def run_script(script: str, world: int, timeout: float) -> list[Any]:
         WORLD_SIZE=str(world),
         LOCAL_WORLD_SIZE=str(world),
         OMP_NUM_THREADS="1",
+        PYTHONFAULTHANDLER="1",  # a rank that aborts prints every thread's stack
     )
     return run_all(
         [
