@@ -40,8 +40,9 @@ def test_an_idle_channel_sends_one_blocking_wait_and_nothing_more() -> None:
     assert store.calls == {"wait": 1}
     started = time.monotonic()
     channel.close()
-    # a hang check (usually milliseconds): a watcher nothing wakes would wait out its hour
-    assert time.monotonic() - started < 5
+    # a hang check (usually milliseconds; close may wait 4 s for a slow store): a watcher
+    # nothing wakes would wait out its hour
+    assert time.monotonic() - started < 30
 
 
 def test_a_published_failure_wakes_every_ranks_watcher_naming_the_rank() -> None:

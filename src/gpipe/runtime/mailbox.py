@@ -144,9 +144,9 @@ class LocalTransport:
         # Copies a GPU ran: when, by its clock (see Span), read on the host's clock by a
         # GpuClock per GPU, started as the step begins.
         moving = {(self._sources[key], devices[placement[key[1]]]) for key in self._sources}
-        self._gpus = sorted({d for pair in moving for d in pair if d.type == "cuda"}, key=str)
+        gpus = {d for pair in moving for d in pair if d.type == "cuda"}
         self._spans: dict[Tag, Span] = {}
-        self._clocks = {gpu: GpuClock(gpu) for gpu in self._gpus}
+        self._clocks = {gpu: GpuClock(gpu) for gpu in sorted(gpus, key=str)}
 
     def _box(self, stage: int) -> Mailbox:
         if 0 <= stage < len(self._placement):
@@ -209,7 +209,7 @@ class LocalTransport:
             start = (sent - origin_ns) / 1e9
             end = (self._arrived.get(tag, sent) - origin_ns) / 1e9
             span = self._spans.get(tag)
-            if span is not None and span.device in self._clocks:
+            if span is not None:  # NOTE: a span's device is a GPU a message moved to or from
                 clock = self._clocks[span.device]
                 start = (clock.ns(span.start) - origin_ns) / 1e9
                 end = (clock.ns(span.end) - origin_ns) / 1e9
