@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import os
 import subprocess
@@ -9,10 +10,15 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import torch
+from hypothesis import strategies as st
 from torch import nn
+
+from gpipe.schedule import Action, Schedule, make_schedule
+from gpipe.schedule.action import BACKWARD, FORWARD, WEIGHT, dependencies
 
 # NOTE: every distributed test posts under NCCL's rules (one stream per rank, sends that wait
 # for their receiver; see gpipe.distributed.posting), which gloo alone would forgive: so a
@@ -72,6 +78,72 @@ def custom_schedules(devices: int, count: int, seed: int) -> list[str]:
         if schedule.actions != base.actions:
             found.append(schedule.to_csv())
     return found
+
+
+def valid_reorder(base: Schedule, pick: Callable[[int], int]) -> Schedule:
+    """``base`` with each device's actions in a random order the validator accepts.
+
+    One run of the pipeline in which, turn after turn, some device runs one of its actions
+    whose dependencies have finished (so no order deadlocks); F's go in one order of the
+    micro-batches and B's in another, the same on every stage (so each pair of devices
+    takes its messages in the order they were sent), W's any time after their B. With one
+    stage per device these are exactly the orders the validator accepts.
+
+    Args:
+        base: a schedule with one stage per device; only its shape and kinds are kept.
+        pick: ``pick(n)`` chooses one of ``n`` choices, ``0 <= pick(n) < n``.
+    """
+    assert base.placement == tuple(range(base.devices)), "one stage per device only"
+    m = base.microbatches
+
+    def order() -> list[int]:
+        left = list(range(m))
+        return [left.pop(pick(len(left))) for _ in range(m)]
+
+    f_order, b_order = order(), order()
+    done: set[Action] = set()
+    rows: list[list[Action]] = [[] for _ in range(base.devices)]
+    taken = [{FORWARD: 0, BACKWARD: 0} for _ in rows]  # F's and B's each stage has run
+    weights: list[list[Action]] = [[] for _ in rows]  # W's whose B has run
+    while len(done) < len(base):
+        ready: list[tuple[int, Action]] = []
+        for stage, row in enumerate(taken):
+            for kind, microbatches in ((FORWARD, f_order), (BACKWARD, b_order)):
+                if row[kind] < m:
+                    action = Action(kind, stage, microbatches[row[kind]])
+                    if all(dep in done for dep in dependencies(action, base.stages)):
+                        ready.append((stage, action))
+            ready += [(stage, w) for w in weights[stage]]
+        stage, action = ready[pick(len(ready))]
+        rows[stage].append(action)
+        done.add(action)
+        if action.kind == WEIGHT:
+            weights[stage].remove(action)
+        else:
+            taken[stage][action.kind] += 1
+            if action.kind == BACKWARD and base.split_backward:
+                weights[stage].append(Action(WEIGHT, stage, action.microbatch))
+    return dataclasses.replace(base, actions=rows)
+
+
+@st.composite
+def valid_reorders(draw: st.DrawFn) -> Schedule:
+    """A built-in schedule (2-4 devices, 1-5 micro-batches, with or without W) whose
+    devices run their actions in a random order the validator accepts."""
+    devices, microbatches = draw(st.integers(2, 4)), draw(st.integers(1, 5))
+    base = make_schedule(draw(st.sampled_from(["gpipe", "1f1b", "zb-h1"])), devices, microbatches)
+    return valid_reorder(base, lambda n: draw(st.integers(0, n - 1)))
+
+
+def assert_new_pipe_trained_as_plain(results: list[dict[str, Any]], world: int) -> None:
+    """Check what ``dist_scenarios:new_pipe_after_failure`` returned on every rank: each saw
+    the first pipe's step fail, and the new pipe's loss and every gradient its rank holds
+    equal plain training's."""
+    assert len(results) == world, results
+    for rank, result in enumerate(results):
+        assert "boom" in result["failed"], (rank, result)
+        assert result["loss"] < 1e-12 and result["grad"] < 1e-12, (rank, result)
+        assert result["checked"] > 0, (rank, result)  # the rank held gradients to compare
 
 
 def fresh_python(code: str, timeout: float = 60) -> str:

@@ -20,6 +20,7 @@ from gpipe.balance import (
     balance_weighted,
 )
 from gpipe.balance.profiler import profile
+from gpipe.models import SleepLayer
 
 
 def compositions(n: int, stages: int) -> Iterator[list[int]]:
@@ -224,58 +225,41 @@ def test_balance_by_functions_reject_bad_arguments_naming_the_fix(
         call(make_model(), torch.randn(2, 4))
 
 
-@pytest.fixture
-def one_thread() -> Iterator[None]:
-    """Time on one intra-op thread: on a shared 2-core machine, idle OpenMP workers waiting
-    for a busy core add milliseconds of noise to sub-millisecond layers."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+class FakeClock:
+    """A clock that moves only when a latency layer sleeps: each layer's time is exact."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
 
 
-def stage_time(stage: nn.Sequential, tokens: torch.Tensor, repeats: int = 9) -> float:
-    """Fastest forward + backward seconds of one stage, measured as a whole.
-
-    The minimum, not the median: on a shared machine noise only ever adds time.
-    """
-    stage.zero_grad(set_to_none=True)
-    runs = []
-    for _ in range(repeats):
-        x = tokens if not tokens.is_floating_point() else tokens.detach().requires_grad_()
-        start = time.perf_counter()
-        out = stage(x)
-        out.backward(torch.ones_like(out))
-        runs.append(time.perf_counter() - start)
-        stage.zero_grad(set_to_none=True)
-    return min(runs)
-
-
-def time_spread(model: nn.Sequential, tokens: torch.Tensor, balance: list[int]) -> float:
-    """Slowest stage time over fastest, feeding each stage the previous stage's output."""
-    times, start, x = [], 0, tokens
-    for size in balance:
-        stage = model[start : start + size]
-        times.append(stage_time(stage, x))
-        with torch.no_grad():
-            x = stage(x)
-        start += size
-    return max(times) / min(times)
-
-
-def test_balance_by_time_evens_out_a_model_with_a_heavy_output_head(one_thread: None) -> None:
-    # An embedding, six blocks (128x128) and a head as costly as all six (128 x 768): the
-    # time-balanced split puts the head alone (about 1:1), an even split by layer count puts
-    # it with three blocks (about 3:1), a margin that timing noise does not close.
+def head_model(head_forward_ms: float, head_backward_ms: float) -> nn.Sequential:
+    """An embedding, six blocks of 2 ms forward + 1 ms backward, and a head of the given cost."""
     torch.manual_seed(0)
-    blocks = [nn.Sequential(nn.Linear(128, 128), nn.Tanh()) for _ in range(6)]
-    model = nn.Sequential(nn.Embedding(100, 128), *blocks, nn.Linear(128, 768))
-    tokens = torch.randint(0, 100, (32, 32))
+    blocks = [nn.Sequential(nn.Linear(16, 16), nn.Tanh(), SleepLayer(2, 1)) for _ in range(6)]
+    head = nn.Sequential(nn.Linear(16, 32), SleepLayer(head_forward_ms, head_backward_ms))
+    return nn.Sequential(nn.Embedding(100, 16), *blocks, head)
 
-    # NOTE: 9 repeats and the default warmup: with 5 and 1 the profile came out wrong once
-    # in a full-suite run on two loaded cores (median of 5 taken while another test's
-    # processes were ending), never alone
-    balance = balance_by_time(model, tokens, 2, repeats=9, warmup=2)
 
-    assert balance[1] < 4  # the head has company only if the profile was very noisy
-    assert time_spread(model, tokens, balance) < time_spread(model, tokens, [4, 4])
+def test_balance_by_time_gives_a_head_as_costly_as_the_blocks_a_stage_of_its_own(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    clock = FakeClock()
+    monkeypatch.setattr(time, "perf_counter", clock.perf_counter)
+    monkeypatch.setattr(time, "sleep", clock.sleep)
+    model = head_model(1, 17)  # 18 ms, as much as the six blocks, mostly in backward
+    tokens = torch.randint(0, 100, (8, 4))
+    measured = profile(model, tokens, repeats=3, warmup=1).costs("time")
+    assert measured == pytest.approx([0.0] + [0.003] * 6 + [0.018], abs=1e-12)
+
+    # 18 ms on each stage; an even split by layer count, [4, 4], takes 9 ms and 27 ms, and
+    # one by forward time alone (the head's 1 ms looks light) puts three blocks with the head
+    assert balance_by_time(model, tokens, 2) == [7, 1]
+    # a head as light as a block has company: 12 ms and 9 ms (the shorter last stage of two
+    # optimal splits)
+    assert balance_by_time(head_model(2, 1), tokens, 2) == [5, 3]

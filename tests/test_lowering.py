@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import random
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import event, given, settings
 
+from conftest import valid_reorder, valid_reorders
 from gpipe.schedule import Schedule, ScheduleError, make_schedule, validate
 from gpipe.schedule.lowering import RECV, SEND, Batch, Flow, Lowered, Op, lower, replay
 from gpipe.schedule.validate import check_lowered
@@ -103,29 +105,31 @@ def test_hand_offs_between_stages_on_one_device_are_no_operations() -> None:
         assert all(op.peer != device for batch in batches for op in batch.ops)
 
 
-@st.composite
-def valid_orders(draw: st.DrawFn) -> Schedule:
-    """A built-in schedule with each device's list reordered at random, kept if valid."""
-    k = draw(st.integers(2, 4))
-    m = draw(st.integers(1, 5))
-    base = make_schedule(draw(st.sampled_from(["gpipe", "1f1b", "zb-h1"])), k, m)
-    rows = []
-    for actions in base.actions:
-        order = list(actions)
-        for _ in range(draw(st.integers(0, 6))):
-            i = draw(st.integers(0, len(order) - 2))
-            order[i], order[i + 1] = order[i + 1], order[i]
-        rows.append(order)
-    return dataclasses.replace(base, actions=rows)
-
-
 @settings(max_examples=60, deadline=None)
-@given(valid_orders())
+@given(valid_reorders())
 def test_any_schedule_the_validator_accepts_lowers_to_a_program_that_cannot_hang(
     schedule: Schedule,
 ) -> None:
-    try:
-        validate(schedule)
-    except ScheduleError:
-        return
+    validate(schedule)  # every draw is accepted, so every example checks the lowering
+    built_in = make_schedule(schedule.name, schedule.devices, schedule.microbatches)
+    event("reordered" if schedule.actions != built_in.actions else "the built-in order")
     assert replay(lower(schedule)) is None
+
+
+@pytest.mark.parametrize(
+    ("name", "devices", "microbatches"), [("1f1b", 2, 2), ("zb-h1", 2, 1), ("gpipe", 3, 1)]
+)
+def test_the_reorder_strategy_makes_every_order_the_validator_accepts_and_no_other(
+    name: str, devices: int, microbatches: int
+) -> None:
+    base = make_schedule(name, devices, microbatches)
+    accepted = set()
+    for rows in itertools.product(*(itertools.permutations(row) for row in base.actions)):
+        try:
+            validate(dataclasses.replace(base, actions=[list(row) for row in rows]))
+        except ScheduleError:
+            continue
+        accepted.add(rows)
+    rng = random.Random(0)
+    made = {tuple(map(tuple, valid_reorder(base, rng.randrange).actions)) for _ in range(4000)}
+    assert made == accepted

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import custom_schedules
+from conftest import assert_new_pipe_trained_as_plain, custom_schedules
 from ranks import check, launch
 
 pytestmark = pytest.mark.timeout(240)
@@ -105,4 +105,4 @@ def test_on_two_gpus_nccl_carries_large_activations_for_three_steps() -> None:
 @two_gpus
 def test_on_two_gpus_a_new_pipe_after_a_failed_step_trains_as_plain_training() -> None:
     results = check(launch("dist_scenarios:new_pipe_after_failure", 2, timeout=90))
-    assert len(results) == 2
+    assert_new_pipe_trained_as_plain(results, world=2)

@@ -1,6 +1,7 @@
 """Run every benchmark in benchmarks/ and write docs/benchmarks.md from what they printed.
 
     python tools/benchmarks_page.py --run            # every benchmark (20-30 min on 2 cores)
+                                                     # but the GPU check, kept as saved
     python tools/benchmarks_page.py --run latency    # some of them; the others keep their runs
     python tools/benchmarks_page.py                  # rewrite the page from the saved runs
 
@@ -24,6 +25,9 @@ BENCHMARKS = ROOT / "benchmarks"
 RUNS = BENCHMARKS / "runs"
 PAGE = ROOT / "docs" / "benchmarks.md"
 HELPERS = {"torch_reference", "host"}  # imported by the others; print nothing of their own
+# Runs this page shows from their saved report but never reruns: they need a GPU this host
+# lacks, and a rerun here would replace the GPU's figures the docs cite.
+SAVED_ONLY = {"gpu_check"}
 # Runs that need arguments, or a second way to run a script: run name -> (script, arguments).
 VARIANTS = {
     "compute": ("compute", ["--distributed", "--steps", "15"]),
@@ -59,6 +63,11 @@ def names() -> list[str]:
     return sorted(scripts | set(VARIANTS))
 
 
+def rerunnable() -> list[str]:
+    """The runs ``--run`` may run: every one but those kept as saved."""
+    return [name for name in names() if name not in SAVED_ONLY]
+
+
 def command(name: str) -> list[str]:
     """The script and arguments of run ``name``."""
     script, arguments = VARIANTS.get(name, (name, []))
@@ -80,6 +89,8 @@ def load() -> str:
 
 def run(name: str) -> None:
     """Run one benchmark and save what it printed, with where and when."""
+    if name in SAVED_ONLY:
+        raise ValueError(f"{name} is kept as saved (SAVED_ONLY); this page never reruns it")
     RUNS.mkdir(exist_ok=True)
     began = time.time()
     header = [
@@ -147,7 +158,12 @@ def main() -> None:
     parser.add_argument("--run", nargs="*", metavar="NAME", help="run these (all if none)")
     args = parser.parse_args()
     if args.run is not None:
-        for name in args.run or names():
+        kept = SAVED_ONLY.intersection(args.run)
+        if kept:
+            parser.error(
+                f"{', '.join(sorted(kept))}: saved only, never rerun here (see SAVED_ONLY)"
+            )
+        for name in args.run or rerunnable():
             print(f"running benchmarks/{name}.py ...", flush=True)
             run(name)
     PAGE.write_text(INTRO + "\n" + "\n".join(section(name) for name in names()))
