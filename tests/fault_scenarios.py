@@ -3,11 +3,13 @@ on every rank, under tests/ranks.py's launch."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import gc
 import json
 import os
 import threading
+import time
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -32,14 +34,33 @@ def _usage() -> dict[str, int]:
     }
 
 
-def retries(steps: int, measure_from: int, samples: int = 5) -> Any:
-    """A new pipe each step; every second step fails on rank 1 (a layer raises), as a job
-    that retries after a failure would. Usage after each failed step from ``measure_from``
-    on: the lowest of the first ``samples`` and of the last ``samples``.
+def _open_things() -> list[str]:
+    """What each open file descriptor is (its ``/proc/self/fd`` link) and each OS thread's
+    name, to name a leak."""
+    links = []
+    for fd in sorted(os.listdir("/proc/self/fd"), key=int):
+        with contextlib.suppress(OSError):  # the listing's own descriptor, closed by now
+            links.append(f"fd {fd}: {os.readlink(f'/proc/self/fd/{fd}')}")
+    for task in sorted(os.listdir("/proc/self/task"), key=int):
+        with contextlib.suppress(OSError):  # a thread that just exited
+            links.append(f"thread {task}: {Path(f'/proc/self/task/{task}/comm').read_text()}")
+    return links
 
-    NOTE: the lowest, not one reading: a pipe freed by the collector a step later holds a
-    socket or two meanwhile, which is garbage, not a leak; a leak raises the floor too.
-    """
+
+def _os_threads_settled(expected: int, within: float = 1.0) -> int:
+    """This process's OS threads once those whose Python part ended have exited (``within``
+    s at most): on Python < 3.13, ``Thread.join`` returns before the OS thread is gone."""
+    deadline = time.monotonic() + within
+    while (threads := _usage()["threads"]) != expected and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return threads
+
+
+def retries(steps: int, measure_from: int) -> Any:
+    """A new pipe each step; every second step fails on rank 1 (a layer raises), as a job
+    that retries after a failure would. Usage as soon as each failed step's pipe is closed,
+    from step ``measure_from`` on (``settled_threads``: OS threads once the threads joined
+    have exited), with what was open at the first reading and at any that differs from it."""
     me = dist.get_rank()
     failing = {"on": False}
 
@@ -51,6 +72,7 @@ def retries(steps: int, measure_from: int, samples: int = 5) -> Any:
 
     x, y = torch.randn(4, WIDTH), torch.randn(4, WIDTH)
     readings: list[dict[str, int]] = []
+    open_things: dict[int, list[str]] = {}
     failures = 0
     for step in range(steps):
         failing["on"] = step % 2 == 1
@@ -61,19 +83,19 @@ def retries(steps: int, measure_from: int, samples: int = 5) -> Any:
         except (gd.PipelineFailure, ValueError):
             failures += 1
         pipe.close()
-        del pipe, model
         if step >= measure_from - 1 and step % 2 == 1:
-            readings.append(_usage())
-    assert len(readings) >= 2 * samples, "too few steps to compare"
-
-    def lowest(part: list[dict[str, int]]) -> dict[str, int]:
-        return {key: min(r[key] for r in part) for key in part[0]}
-
-    return {
-        "start": lowest(readings[:samples]),
-        "end": lowest(readings[-samples:]),
-        "failures": failures,
-    }
+            if not readings:  # NOTE: the baseline, once every thread that ended has exited
+                time.sleep(0.5)
+            now = _usage()
+            first = readings[0] if readings else now
+            if any(now[k] != first[k] for k in ("threads", "fds", "python_threads")):
+                open_things[step] = _open_things()
+            now["settled_threads"] = _os_threads_settled(first["threads"])
+            readings.append(now)
+            if len(readings) == 1:
+                open_things[step] = _open_things()
+        del pipe, model
+    return {"readings": readings, "open": open_things, "failures": failures}
 
 
 def forged_records(steps: int = 4) -> Any:
@@ -94,7 +116,7 @@ def forged_records(steps: int = 4) -> Any:
             is_master=False,
             timeout=datetime.timedelta(seconds=10),
         )
-        prefix = pipe._faults._prefix
+        prefix = pipe._guard.faults._prefix
         fake = {"rank": 1, "error": "forged", "stage": None, "microbatch": None, "action": None}
         forged = json.dumps({"failure": json.dumps(fake), "mac": "0" * 64})
         forger.set(f"{prefix}/failure", forged)
@@ -107,7 +129,7 @@ def forged_records(steps: int = 4) -> Any:
     loss = pipe.train_step(x, y, nn.functional.mse_loss)
     ref = _reference(partial(mlp, world), x, y, nn.functional.mse_loss)
     result = _compare(pipe, model, loss, ref)
-    heard = pipe._faults.check()  # the forged record is not taken for a failure
+    heard = pipe._guard.faults.check()  # the forged record is not taken for a failure
     pipe.close()
     gc.collect()
     return {**result, "heard": None if heard is None else heard.error}

@@ -22,15 +22,6 @@ pytestmark = pytest.mark.timeout(300)
 TESTS = Path(__file__).parent
 
 
-def _flat(start: dict[str, int], end: dict[str, int]) -> list[str]:
-    """What grew by more than 5 % between two measurements at the same point of the cycle."""
-    return [
-        f"{key} {start[key]} -> {end[key]}"
-        for key in ("threads", "fds", "rss_kib", "python_threads")
-        if end[key] > start[key] * 1.05
-    ]
-
-
 def _retries(steps: int, measure_from: int) -> None:
     results = check(
         launch(
@@ -43,11 +34,20 @@ def _retries(steps: int, measure_from: int) -> None:
     )
     for rank, result in enumerate(results):
         assert result["failures"] == steps // 2, (rank, result)
-        assert not _flat(result["start"], result["end"]), (rank, result)
+        first = result["readings"][0]
+        # once a pipe is closed it holds nothing: not a thread, not a descriptor, even on
+        # rank 0, whose store serves the other rank's fault channel
+        for reading in result["readings"]:
+            assert reading["fds"] == first["fds"], (rank, reading, result["open"])
+            assert reading["python_threads"] == first["python_threads"], (rank, reading)
+            assert reading["settled_threads"] == first["threads"], (rank, reading, result["open"])
+        # memory settles slower (allocator caches): the lowest of the last five readings
+        rss = [r["rss_kib"] for r in result["readings"]]
+        assert min(rss[-5:]) <= min(rss[:5]) * 1.05, (rank, rss)
 
 
 def test_a_job_that_retries_after_failures_keeps_threads_descriptors_and_memory_flat() -> None:
-    # a new pipe each step, every second one failing; measured after failures 3-7 and 11-15
+    # a new pipe each step, every second one failing; measured after failures 3 to 15
     _retries(30, 6)
 
 

@@ -11,7 +11,9 @@ from typing import Any
 
 import torch.distributed as dist
 
-from gpipe.distributed.faults import Failure, FaultChannel, wait_for
+from gpipe.distributed.failure import Failure
+from gpipe.distributed.fault_channel import FaultChannel
+from gpipe.distributed.waiting import wait_for
 
 
 class Counting:
@@ -107,7 +109,7 @@ def test_the_culprit_is_the_rank_whose_beats_stopped_not_the_one_waited_for() ->
     with _channels(3) as channels:
         for channel in channels:
             channel.progress = lambda: {"done": 0, "waiting": True}
-            channel._busy = 1  # inside a step
+            channel._heartbeat._busy = 1  # inside a step
         time.sleep(0.3)
         channels[1].close()  # rank 1 stops beating: stopped, or dead
         failure = channels[0].culprit(2, "rank 0 got nothing from rank 2", [0, 1, 2])
@@ -121,7 +123,7 @@ def test_the_culprit_is_a_rank_that_beats_but_makes_no_progress_outside_a_wait()
         channels[1].progress = lambda: {"done": 7, "waiting": False, "doing": "a step"}  # stuck
         channels[2].progress = lambda: {"done": next(count), "waiting": False}  # working
         for channel in channels:
-            channel._busy = 1
+            channel._heartbeat._busy = 1
         time.sleep(0.3)
         failure = channels[0].culprit(2, "rank 0 got nothing from rank 2", [0, 1, 2])
         assert failure.rank == 1 and "made no progress" in failure.error, failure
@@ -131,7 +133,7 @@ def test_with_every_rank_alive_and_waiting_the_culprit_is_the_suspect() -> None:
     with _channels(2) as channels:
         for channel in channels:
             channel.progress = lambda: {"done": 0, "waiting": True}
-            channel._busy = 1
+            channel._heartbeat._busy = 1
         time.sleep(0.3)
         failure = channels[0].culprit(1, "rank 0 lost its link to rank 1", [0, 1])
         assert failure.rank == 1 and failure.error.startswith("rank 0 lost its link to rank 1")
@@ -175,11 +177,11 @@ def test_close_waits_for_the_store_requests_in_flight() -> None:
     store = Slow(1.8)
     channel = FaultChannel(store, "p", 0, lambda failure: None, world=2, beat=0.05)
     channel.progress = lambda: {"done": 0, "waiting": False}
-    channel._busy = 1  # inside a step: beating
+    channel._heartbeat._busy = 1  # inside a step: beating
     assert store.writing.wait(5)
     channel.close()
     assert store.written.is_set()
-    assert not channel._asking  # each request thread leaves the set as it ends
+    assert not channel._ask._thread.is_alive()  # the requests thread ended with close
 
 
 def test_a_silent_store_names_rank_0_that_hosts_it_within_its_bound() -> None:
@@ -220,15 +222,15 @@ def test_a_rank_between_steps_is_named_only_when_no_rank_in_the_step_is_stuck() 
     with _channels(3) as channels:
         channels[0].progress = lambda: {"done": 0, "waiting": True}
         channels[2].progress = lambda: {"done": 3, "waiting": False, "doing": "a step"}  # stuck
-        channels[0]._busy = channels[2]._busy = 1
+        channels[0]._heartbeat._busy = channels[2]._heartbeat._busy = 1
         with channels[1].busy():  # rank 1 did its part of the step, and left it
             time.sleep(0.3)
         time.sleep(0.3)
         failure = channels[0].culprit(2, "rank 0 got nothing from rank 2", [0, 1, 2])
         assert failure.rank == 2 and "made no progress" in failure.error, failure
-        channels[2]._busy = 0  # now rank 2 waits for rank 1, which is outside the step
+        channels[2]._heartbeat._busy = 0  # now rank 2 waits for rank 1, which is outside the step
         channels[2].progress = lambda: {"done": 3, "waiting": True}
-        channels[2]._busy = 1
+        channels[2]._heartbeat._busy = 1
         failure = channels[0].culprit(2, "rank 0 got nothing from rank 2", [0, 1, 2])
         assert failure.rank == 1 and "outside the pipe's step" in failure.error, failure
 
@@ -265,6 +267,6 @@ def test_a_collectives_work_is_freed_on_the_waiting_thread_not_its_helper() -> N
 
     for _ in range(20):
         work = Work()
-        wait_for(work, None, lambda: None, 0)  # type: ignore[arg-type]
+        wait_for(work, None, lambda: None, 0)
         del work
     assert freed == [threading.current_thread().name] * 20

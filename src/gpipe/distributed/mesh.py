@@ -157,20 +157,20 @@ def retire(groups: Groups, extra: Sequence[Any] = ()) -> None:
             del _CACHE[key]
     groups.retired = True
     end([groups.pipeline, groups.control, groups.column, *extra])
-    # NOTE: a destroyed group's threads and sockets go only with its last reference, and a
-    # pipe lives in reference cycles that the collector may free late
+    # NOTE: a destroyed group's threads and sockets go only with its last reference: the
+    # pipe keeps its mesh, whose registry (torch's own) names the groups
     groups.pipeline = groups.control = groups.replicas = groups.column = None
+    with contextlib.suppress(AttributeError):
+        groups.mesh._pg_registry.clear()
 
 
 def end(groups: Sequence[Any]) -> None:
     """Close every link of each of ``groups`` and destroy it (each once; None skipped)."""
     unique = {id(g): g for g in groups if g is not None}
     for group in unique.values():
-        # NOTE: on NCCL a receive that will never match stays on the group's stream, and the
-        # watchdog would kill the process over it: aborting the group drops it. On gloo a
-        # receive that times out closes its pair, failing every wait on it. (gloo's abort
-        # wakes the waits too, but a job that aborted a group after each failure hung
-        # within 40 retries: another group's sends stopped posting.)
+        # NOTE: NCCL: abort drops a receive that will never match (else the watchdog kills
+        # the process). gloo: a receive that times out closes its pair, failing every wait
+        # on it; gloo's abort could stop another group's sends from posting.
         if str(dist.get_backend(group)) == "nccl":
             with contextlib.suppress(Exception):
                 group.abort()
