@@ -449,7 +449,7 @@ def loss_dtype(dp: int) -> Any:
 
 def link() -> Any:
     """What the pipe measured of its link, and where: over the pipeline's own group."""
-    from gpipe.distributed import pipe as pipe_module
+    from gpipe.distributed import construction as pipe_module
 
     calls: list[Any] = []
     measure = pipe_module.measure_link
@@ -464,7 +464,7 @@ def link() -> Any:
         pipe = gd.DistributedGPipe(mlp(2), chunks=2, timeout=30)
     finally:
         pipe_module.measure_link = measure
-    latency, bandwidth = pipe._link
+    latency, bandwidth = pipe._connections.link
     group, device = calls[0]
     return {
         "latency": latency,
@@ -517,7 +517,7 @@ def gpu_timed_messages(lag_ms: float = 50.0) -> Any:
     fake = _LaggingGpu(lag_ms)
     real, copies.cuda = copies.cuda, fake
     try:
-        pipe._transport._clock = copies.GpuClock(torch.device("cuda", 0))
+        pipe._transport.transfer_log._clock = copies.GpuClock(torch.device("cuda", 0))
         lagged = gaps()
     finally:
         copies.cuda = real

@@ -193,7 +193,7 @@ def test_a_rank_killed_or_interrupted_ends_the_others(how: str) -> None:
 
 
 def test_a_lost_link_is_told_in_a_short_clause_naming_the_timeout() -> None:
-    from gpipe.distributed.executor import _link_cause
+    from gpipe.distributed.blame import _link_cause
 
     gloo = RuntimeError(
         "[/w/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:2969: Connection reset by "

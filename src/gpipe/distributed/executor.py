@@ -8,52 +8,37 @@ receive is posted before the action that needs it and waited for right before th
 starts. Every rank derives its program from the same schedule, so both ends of every pair
 agree on the order; the lowering guarantees no program can hang under NCCL's rules.
 
-Messages carry only tensors once a step's shapes are known. A step is keyed by what its
-shapes follow from (training or not, micro-batches, the input's shapes and dtypes), which
-every rank learns from the step header. The first step of a key exchanges each message's
-signature first (its size, then its JSON, then the tensors: three rounds, each a batch
-of the same shape on both ends); later steps of the key post the receives straight in the
-shapes both ends remember. A message whose signature changes under a known key (shapes
-that depend on the data) is an error naming it: its receiver posted other shapes.
+What a batch carries is agreed per step key (:mod:`gpipe.distributed.signature_rounds`),
+put on the wire by a poster (:mod:`gpipe.distributed.posting`), timed for the timeline
+(:mod:`gpipe.distributed.transfer_log`); a failed wait names its culprit
+(:mod:`gpipe.distributed.blame`).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from gpipe.distributed.faults import Failure, PipelineFailure, brief
+from gpipe.distributed.blame import Blame
+from gpipe.distributed.failure import Failure, PipelineFailure
 from gpipe.distributed.posting import Message, Poster, poster_for
-from gpipe.distributed.wire import Signature, decode, encode, flatten, rebuild, receive_buffers
-from gpipe.runtime.copies import GpuClock
+from gpipe.distributed.signature_rounds import (
+    Incoming,
+    Outgoing,
+    SignatureRounds,
+    shapes_changed,
+)
+from gpipe.distributed.transfer_log import TransferLog
+from gpipe.distributed.wire import Signature, flatten, rebuild, receive_buffers
 from gpipe.runtime.mailbox import Mailbox
-from gpipe.runtime.step import unplaced
 from gpipe.runtime.transport import Aborted, Tag, sending_stage
 from gpipe.schedule import Action
 from gpipe.schedule.lowering import SEND, Batch
 
-__all__ = ["Executor", "Transfer"]
-
-
-@dataclass(frozen=True)
-class Transfer:
-    """One message received from another rank, as the timeline shows it.
-
-    Times are this rank's ``perf_counter_ns``: ``posted`` when its receive was posted,
-    ``done`` when its tensors were known to have arrived (on NCCL, when the GPU's stream had
-    them: see :meth:`Executor.settle`).
-    """
-
-    tag: Tag
-    source: int
-    posted_ns: int
-    done_ns: int
-    nbytes: int
+__all__ = ["Executor"]
 
 
 @dataclass
@@ -101,33 +86,21 @@ class Executor:
         self._torch_device = torch_device
         self._timeout = timeout
         self._report = report
-        self._blame = blame
+        self._blame = Blame(self._rank, timeout, blame)
         self.done = 0  # actions run, over every step: progress, for the fault channel's beats
         self.waiting = False  # whether the worker waits for a message now
         self.overlap = overlap
         self._poster: Poster = poster_for(group, timeout, self._link_failed)
+        self._signatures = SignatureRounds(self._poster, torch_device)
+        self.transfer_log = TransferLog(torch_device, self._poster.stream_waits)
         self._box = Mailbox()  # hand-offs between stages of this rank, and the caller's
         self._program: list[Batch] = []
         self._posted = 0  # batches of the program posted
         self._ran = 0  # actions run
         self._key: Any = None
-        self._known: set[Any] = set()  # keys whose steps completed: shapes known
-        self._plans: dict[Any, dict[Tag, Signature]] = {}
         self._stash: dict[Tag, Any] = {}  # sent by the worker, not yet posted
         self._receipts: dict[Tag, _Receipt] = {}
-        self._peers_used: set[int] = set()
         self.failure: Failure | None = None
-        self.transfers: list[Transfer] = []  # received this step
-        self.sent: list[tuple[Tag, int, int]] = []  # (tag, peer, perf_counter_ns) this step
-        # NOTE: on NCCL the host never waits for a message (a wait is the stream's), so its
-        # clock says when a message was queued, not when it moved: each hand-over and arrival
-        # is also marked on this rank's GPU stream, and read by settle().
-        self._clock = (
-            GpuClock(torch_device)
-            if torch_device.type == "cuda" and self._poster.stream_waits
-            else None
-        )
-        self._marks: list[tuple[bool, int, Any]] = []  # (sent?, index, GPU mark) this step
 
     # -- the Transport protocol --------------------------------------------------------
 
@@ -140,31 +113,7 @@ class Executor:
         self._stash.clear()
         self._receipts.clear()
         self._posted = self._ran = 0
-        self.transfers = []
-        self.sent = []
-        self._marks = []
-        if self._clock is not None:
-            self._clock.start()
-
-    def settle(self) -> None:
-        """Time this step's messages by the GPU's stream, where it carried them (NCCL):
-        each hand-over when the sender's stream had the message ready, each arrival when
-        the receiver's stream had it (waiting for the GPU to get there).
-
-        NOTE: marked on the stream the stage runs on, after its wait for NCCL's, so a
-        receiver still busy with earlier work shows the arrival late by as much (as a GPU
-        still busy shows its actions late); NCCL's own stream is not ours to mark.
-        """
-        clock, marks, self._marks = self._clock, self._marks, []
-        if clock is None:
-            return
-        for sent, index, mark in marks:
-            at = clock.ns(mark)
-            if sent:
-                tag, peer, _ = self.sent[index]
-                self.sent[index] = (tag, peer, at)
-            else:
-                self.transfers[index] = dataclasses.replace(self.transfers[index], done_ns=at)
+        self.transfer_log.reset()
 
     def begin(self, program: list[Batch], key: Any) -> None:
         """This step's batches (this rank's part of the lowered schedule), and its key:
@@ -193,26 +142,16 @@ class Executor:
             self._advance()
             receipt = self._receipts.pop(tag)
             self._poster.wait(receipt.message)
-            if self._clock is not None:
-                self._marks.append((False, len(self.transfers), self._clock.mark()))
         except Aborted:
             raise self._raised() from None
         except TimeoutError:
             sender = self._ranks[self._device_of(sending_stage(tag))]
-            what = (
-                f"rank {self._rank} got no {tag[0]} for stage {tag[1]}, micro-batch {tag[2]} "
-                f"from rank {sender} within {self._timeout:g} s"
-            )
-            self.fail(self._named(sender, what))
+            self.fail(self.failure or self._blame.silent(sender, tag))
             raise self._raised() from None
         finally:
             self.waiting = False
-        message = receipt.message
-        nbytes = sum(t.numel() * t.element_size() for t in message.tensors)
-        self.transfers.append(
-            Transfer(tag, message.peer, message.posted_ns, message.done_ns, nbytes)
-        )
-        return rebuild(receipt.signature, message.tensors)
+        self.transfer_log.arrived(tag, receipt.message)
+        return rebuild(receipt.signature, receipt.message.tensors)
 
     def collect(self, tag: Tag) -> Any:
         """Take a message for the caller's side that must already be here."""
@@ -223,21 +162,7 @@ class Executor:
         if isinstance(error, PipelineFailure):  # heard from elsewhere: already reported
             self._heard(error.failure)
             return
-        action = getattr(error, "gpipe_action", None)
-        if error is None or isinstance(error, KeyboardInterrupt):
-            text = "KeyboardInterrupt: interrupted (Ctrl-C or SIGINT)"
-        else:  # NOTE: the failure names the stage, micro-batch and action itself
-            first = next(iter(str(error).splitlines()), "")
-            text = f"{type(error).__name__}: {unplaced(first)}"
-        self.fail(
-            Failure(
-                self._rank,
-                text,
-                stage=None if action is None else action.stage,
-                microbatch=None if action is None else action.microbatch,
-                action=None if action is None else str(action),
-            )
-        )
+        self.fail(self._blame.own(error))
 
     # -- distributed only --------------------------------------------------------------
 
@@ -260,10 +185,10 @@ class Executor:
             except Aborted:
                 pass
             except TimeoutError as error:
-                self.fail(Failure(self._rank, f"a send did not complete: {error}"))
+                self.fail(self._blame.unsent(error))
         if self.failure is not None:
             raise PipelineFailure(self.failure, self._rank)
-        self._known.add(self._key)
+        self._signatures.learned(self._key)
 
     def fail(self, failure: Failure) -> Failure:
         """Record ``failure`` (reported to every rank), wake the worker; return the first."""
@@ -281,7 +206,7 @@ class Executor:
         """
         self._poster.close()
         if self.failure is None:
-            self._join(wait)
+            self._poster.join(wait)
 
     def release(self, grace: float = 2.0) -> None:
         """After a failure, once the groups' links are closed (mesh.retire): let this rank's
@@ -293,7 +218,7 @@ class Executor:
         fail those waits, so the threads end while the interpreter still runs.
         """
         self.close()
-        self._join(grace)
+        self._poster.join(grace)
         # NOTE: a destroyed group keeps its threads and sockets while anything refers to it
         self._poster.group = None
 
@@ -308,35 +233,22 @@ class Executor:
             self._post(batch)
 
     def _post(self, batch: Batch) -> None:
-        plans = self._plans.setdefault(self._key, {})
-        known = self._key in self._known
-        outgoing: list[tuple[Tag, int, Signature, list[torch.Tensor]]] = []
-        incoming: list[tuple[Tag, int]] = []
-        changed: list[str] = []
+        outgoing: list[Outgoing] = []
+        incoming: list[Incoming] = []
         for op in batch.ops:
             peer = self._ranks[op.peer]
-            self._peers_used.add(peer)
             if op.direction != SEND:
                 incoming.append((op.tag, peer))
                 continue
             signature, tensors = flatten(self._stash.pop(op.tag))
-            if known:
-                expected = plans.get(op.tag)
-                if expected != signature:
-                    # NOTE: the receiver posted receives of the remembered shapes: fill
-                    # them, so every later message still meets its own, then fail
-                    changed.append(_changed(op.tag, expected, signature))
-                    assert expected is not None
-                    signature = expected
-                    tensors = receive_buffers(expected, self._torch_device)
-            else:
-                plans[op.tag] = signature
             outgoing.append((op.tag, peer, signature, tensors))
-        if known:
-            signatures = {tag: plans[tag] for tag, _ in incoming}
-        else:
-            signatures = self._agree(outgoing, incoming)
-            plans.update(signatures)
+        try:
+            signatures, changed = self._signatures.agree(self._key, outgoing, incoming)
+        except Aborted:
+            raise self._raised() from None
+        except TimeoutError:
+            self.fail(self._blame.no_signature())
+            raise self._raised() from None
         messages = [Message(True, peer, tensors) for _, peer, _, tensors in outgoing]
         for tag, peer in incoming:
             buffers = receive_buffers(signatures[tag], self._torch_device)
@@ -344,59 +256,14 @@ class Executor:
             self._receipts[tag] = _Receipt(message, signatures[tag])
             messages.append(message)
         self._poster.post(messages)
-        now = time.perf_counter_ns()
-        if self._clock is not None and outgoing:
-            mark = self._clock.mark()
-            self._marks += [(True, len(self.sent) + i, mark) for i in range(len(outgoing))]
-        self.sent.extend((tag, peer, now) for tag, peer, _, _ in outgoing)
+        self.transfer_log.handed(outgoing)
         if not self.overlap:
             for message in messages:
                 if not message.send:
                     self._poster.wait(message)
             self._poster.drain(lambda: self.failure is not None)
         if changed:
-            raise RuntimeError(
-                "; ".join(changed) + ": the shapes of a stage's messages must follow from the "
-                "step's input shapes (gpipe posts each receive in the shapes it had in the last "
-                "step with the same input shapes)"
-            )
-
-    def _agree(
-        self,
-        outgoing: list[tuple[Tag, int, Signature, list[torch.Tensor]]],
-        incoming: list[tuple[Tag, int]],
-    ) -> dict[Tag, Signature]:
-        """The first step of a key: tell and hear every message's signature, in two rounds
-        of the batch's own shape (sizes, then the JSON), before its tensors go."""
-        device = self._torch_device
-        encoded = [encode(signature).to(device) for _, _, signature, _ in outgoing]
-        sizes_out = [torch.tensor([e.numel()], dtype=torch.int64, device=device) for e in encoded]
-        sizes_in = [torch.empty(1, dtype=torch.int64, device=device) for _ in incoming]
-        self._round(outgoing, sizes_out, incoming, sizes_in)
-        lengths = [int(size.item()) for size in sizes_in]
-        texts = [torch.empty(n, dtype=torch.uint8, device=device) for n in lengths]
-        self._round(outgoing, encoded, incoming, texts)
-        return {tag: decode(text) for (tag, _), text in zip(incoming, texts)}
-
-    def _round(
-        self,
-        outgoing: list[tuple[Tag, int, Signature, list[torch.Tensor]]],
-        sent: list[torch.Tensor],
-        incoming: list[tuple[Tag, int]],
-        received: list[torch.Tensor],
-    ) -> None:
-        """Post one tensor per message of the batch and wait for the received ones."""
-        messages = [Message(True, peer, [t]) for (_, peer, _, _), t in zip(outgoing, sent)]
-        receives = [Message(False, peer, [t]) for (_, peer), t in zip(incoming, received)]
-        self._poster.post(messages + receives)
-        try:
-            for message in receives:
-                self._poster.wait(message)
-        except Aborted:
-            raise self._raised() from None
-        except TimeoutError:
-            self.fail(Failure(self._rank, f"no message signature came within {self._timeout:g} s"))
-            raise self._raised() from None
+            raise shapes_changed(changed)
 
     # -- pieces ------------------------------------------------------------------------
 
@@ -410,55 +277,12 @@ class Executor:
         return PipelineFailure(self.failure, self._rank)
 
     def _link_failed(self, peer: int, error: BaseException) -> None:
-        """A link to ``peer`` broke: name the rank that failed (see :meth:`_named`)."""
-        what = (
-            f"rank {self._rank} lost its link to rank {peer} ({_link_cause(error, self._timeout)})"
-        )
-        self.fail(self._named(peer, what))
-
-    def _named(self, suspect: int, what: str) -> Failure:
-        """Whom a failed wait for ``suspect`` blames: a failure already heard, else the fault
-        channel's culprit (a reported failure, or the rank that fell silent), else
-        ``suspect``."""
-        if self.failure is not None:
-            return self.failure
-        if self._blame is not None:
-            return self._blame(suspect, what)
-        return Failure(
-            suspect, f"{what}: that rank died, hung past the timeout, or its network failed"
-        )
+        """A link to ``peer`` broke (the poster's callback): name the rank that failed."""
+        self.fail(self.failure or self._blame.lost_link(peer, error))
 
     def _heard(self, failure: Failure) -> None:
         if self.failure is None:
             self.failure = failure
-        # NOTE: the two ends may have stopped at different messages: learn shapes anew
-        self._known.clear()
-        self._plans.clear()
+        self._signatures.forget()
         self._box.abort()
         self._poster.abort()
-
-    def _join(self, seconds: float) -> None:
-        deadline = time.monotonic() + seconds
-        for thread in self._poster.threads():
-            thread.join(max(0.0, deadline - time.monotonic()))
-
-
-def _changed(tag: Tag, expected: Signature | None, got: Signature) -> str:
-    def shapes(signature: Signature | None) -> str:
-        if signature is None:
-            return "nothing"
-        described = [f"{s} {str(d).removeprefix('torch.')}" for _, s, d, _ in signature.tensors]
-        return ", ".join(described) or "no tensors"
-
-    return (
-        f"the {tag[0]} for stage {tag[1]}, micro-batch {tag[2]} changed from "
-        f"[{shapes(expected)}] to [{shapes(got)}] between two steps with the same input shapes"
-    )
-
-
-def _link_cause(error: BaseException, timeout: float) -> str:
-    """Why a link failed, in one short clause; a timeout named with the pipe's own."""
-    text = brief(error)
-    if "timeout" in text.lower() or "timed out" in text.lower():
-        return f"nothing came within the timeout of {timeout:g} s: DistributedGPipe(timeout=...)"
-    return text

@@ -2,10 +2,9 @@
 
 A message is a pytree of tensors and other values (a stage's output, or the gradients of its
 inputs). Its *signature* is everything but the tensors' contents: the tree's structure, each
-tensor's shape, dtype and ``requires_grad``, and the non-tensor leaves themselves. A sender
-numbers each new signature on its channel and sends it once; after that a message is its
-signature's number and its tensors. Both sides keep the numbering, so a channel whose shapes
-do not change (the usual case) never sends a signature again.
+tensor's shape, dtype and ``requires_grad``, and the non-tensor leaves themselves. It
+travels once per step key (:mod:`gpipe.distributed.signature_rounds`); after that a message
+is its tensors alone, received into buffers of the shapes both ends remember.
 
 The tree's structure travels as torch's own pytree serialization (``treespec_dumps``, JSON)
 and the leaf descriptions as JSON too: nothing a peer sends is ever unpickled. Non-tensor
