@@ -1,6 +1,6 @@
 """What the in-place rule costs a model that writes into no stage input: about nothing.
 
-A stage whose forward writes into its input gets a copy of it (see StageWorker.forward); to
+A stage whose forward writes into its input gets a copy of it (see gpipe.runtime.input_writes); to
 know which stages do, every forward reads its input's version counter before and after, and
 each stage's first forward (per mode) runs on a copy. This runs the same tiny GPT steps with
 the rule as it is and with it patched away (no copy, no version reads), interleaved, and
@@ -21,7 +21,7 @@ import torch
 
 from gpipe import GPipe
 from gpipe.models import GPTConfig, gpt, gpt_loss, synthetic_tokens
-from gpipe.runtime import worker
+from gpipe.runtime import forward
 
 
 def main() -> None:
@@ -32,11 +32,11 @@ def main() -> None:
     config = GPTConfig()
     torch.manual_seed(0)
     ids, targets = synthetic_tokens(64, config)
-    versions, copy = worker._versions, worker._copy
+    versions, copy = forward.versions, forward.cloned
 
     def rule(on: bool) -> None:
-        worker._versions = versions if on else (lambda value: None)  # type: ignore[assignment]
-        worker._copy = copy if on else (lambda value: value)  # type: ignore[assignment]
+        forward.versions = versions if on else (lambda value: None)  # type: ignore[assignment]
+        forward.cloned = copy if on else (lambda value: value)  # type: ignore[assignment]
 
     fields: dict[str, str] = {}
     for stages, checkpoint in [(1, "never"), (4, "except_last")]:

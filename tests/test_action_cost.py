@@ -12,7 +12,7 @@ from torch.nn import functional as F
 from gpipe import GPipe
 from gpipe.randomness import streams as streams_module
 from gpipe.randomness.generators import WorkerGenerators
-from gpipe.runtime import worker as worker_module
+from gpipe.runtime import backward as backward_module
 
 
 def _model() -> nn.Sequential:
@@ -73,7 +73,7 @@ def test_a_stage_backward_of_plain_tensors_calls_the_engine_directly(
     x, y = torch.randn(8, 4, dtype=torch.float64), torch.randn(8, 4, dtype=torch.float64)
     model.double()
     pipe = GPipe(model, [2, 2], devices=["cpu", "cpu"], chunks=4, checkpoint="never")
-    wrapper = _count(monkeypatch, worker_module.torch.autograd, "backward")
+    wrapper = _count(monkeypatch, backward_module.torch.autograd, "backward")
     loss = pipe.train_step(x, y, F.mse_loss)
     assert wrapper[0] == 0
     grads = [p.grad.clone() for p in model.parameters()]

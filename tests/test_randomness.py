@@ -435,3 +435,31 @@ def test_a_layer_is_held_only_when_two_probes_see_it_bypass_routing() -> None:
         streams._learn(4, True, "held", stage=0, bypassed=True)
         streams._learn(4, True, "held", stage=0, bypassed=True)
     assert streams.kind(4, True) == "held"
+
+
+class _DrawsFromItsSecondCall(nn.Module):
+    """Draws nothing at first, then dropout masks: its stage's forward is redone once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return F.dropout(x, 0.5, self.training) if self.calls > 2 else x
+
+
+@pytest.mark.parametrize("track_memory", [True, False])
+def test_a_layer_that_begins_to_draw_mid_run_trains_with_memory_tracking_on_or_off(
+    track_memory: bool,
+) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), _DrawsFromItsSecondCall(), nn.Linear(4, 4)).double()
+    pipe = GPipe(
+        model, [2, 1], devices=["cpu", "cpu"], chunks=2, checkpoint="never",
+        track_memory=track_memory,
+    )  # fmt: skip
+    x, y = torch.randn(4, 4, dtype=torch.float64), torch.randn(4, 4, dtype=torch.float64)
+    losses = [float(pipe.train_step(x, y, F.mse_loss)) for _ in range(4)]
+    assert all(loss == loss and loss > 0 for loss in losses)  # finite, no crash
+    assert model[1].calls >= 8  # every micro-batch's forward ran (one redone)

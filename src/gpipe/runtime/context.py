@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,7 +28,7 @@ import torch
 from torch.overrides import _get_current_function_mode_stack
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
-__all__ = ["CallerContext"]
+__all__ = ["CallerContext", "recomputation_autocast", "worker_entered"]
 
 Autocast = tuple[tuple[str, bool, torch.dtype], ...]
 
@@ -144,3 +144,40 @@ class CallerContext:
                         )
                     )
             yield
+
+
+def worker_entered(caller: CallerContext | None, device: torch.device) -> ExitStack:
+    """The state a worker's actions run in, entered now; the lane that runs them leaves it
+    at the end of its ``with``: the caller's state (``caller``, if captured), ``device`` as
+    the current GPU, and autograd's multithreading off.
+
+    NOTE: with autograd's multithreading off, this thread runs its backward's every node
+    itself, whatever their device. Otherwise the engine hands a GPU's nodes to its one
+    thread for that GPU, and ``pipe(x)`` then ``loss.backward()`` would hang: the engine
+    runs the pipe's own backward node (:class:`~gpipe.runtime.caller.PipelineBackward`)
+    on that very thread, which waits there for the other workers' gradients.
+    """
+    stack = ExitStack()
+    if caller is not None:
+        stack.enter_context(caller.entered())
+    if device.type == "cuda":
+        stack.enter_context(torch.cuda.device(device))
+    stack.enter_context(torch.autograd.set_multithreading_enabled(False))
+    return stack
+
+
+def recomputation_autocast(
+    forward: CallerContext | None, run: CallerContext | None
+) -> Callable[[], AbstractContextManager[None]] | None:
+    """What a recomputation in a run under ``run`` enters to run under the autocast of the
+    run that did the forwards (``forward``); None where the two agree.
+
+    NOTE: decided once per run: only a run whose autocast differs needs it entered
+    (``pipe(x)`` under autocast, ``loss.backward()`` outside).
+    """
+    if forward is None or (
+        run is not None
+        and (forward.autocast, forward.autocast_cache) == (run.autocast, run.autocast_cache)
+    ):
+        return None
+    return forward.autocast_restored

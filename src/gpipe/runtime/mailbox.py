@@ -24,9 +24,9 @@ class Mailbox:
     """Messages for one receiver, keyed by tag, so any schedule's receive order works.
 
     A receiver whose message has not arrived parks on a lock of its own, which the sender
-    (or :meth:`abort`) releases. NOTE: this runs for every message; a ``threading.Condition``
-    costs about 16 Python calls per message (its wait builds a lock and re-enters an RLock),
-    this about 6, and it wakes only the receiver whose message came.
+    (or :meth:`abort`) releases. NOTE: this runs for every message, so not a
+    ``threading.Condition``, whose wait builds a lock and re-enters an RLock: a lock per
+    receiver is fewer Python calls, and wakes only the receiver whose message came.
     """
 
     def __init__(self) -> None:

@@ -14,7 +14,8 @@ subclass) counts its own bytes, once per tensor object. Sizes that are not concr
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import sys
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -22,7 +23,7 @@ from torch import nn
 
 from gpipe.structure import leaves
 
-__all__ = ["SavedBytes", "gradient_bytes", "storage_keys", "tensor_bytes"]
+__all__ = ["SavedBytes", "gradient_bytes", "kept_bytes", "storage_keys", "tensor_bytes"]
 
 # NOTE: an exact type test is the cheapest way to tell a plain dense tensor (whose storage
 # can be read) from a subclass such as FakeTensor, which warns when its pointer is read.
@@ -93,7 +94,8 @@ def storage_keys(tensors: Iterable[torch.Tensor]) -> set[int]:
 class SavedBytes:
     """A ``saved_tensors_hooks`` pack hook that adds up the bytes autograd keeps (see module).
 
-    Use it as ``with torch.autograd.graph.saved_tensors_hooks(c.pack, c.unpack): ...``.
+    Use it as ``with torch.autograd.graph.saved_tensors_hooks(c.pack, c.unpack): ...``, or
+    with ``*c.hooks()`` where the caller's own hooks must still see every tensor.
     NOTE: the pack hook runs for every tensor autograd saves (hundreds per micro-batch of a
     transformer), so it keeps to a type test and one storage lookup.
 
@@ -150,6 +152,27 @@ class SavedBytes:
     def unpack(tensor: torch.Tensor) -> torch.Tensor:
         return tensor
 
+    def hooks(self) -> tuple[Callable[[Any], Any], Callable[[Any], Any]]:
+        """The (pack, unpack) hooks to count under, handing each tensor on to the caller's.
+
+        NOTE: hooks do not stack, so the counter's would replace the caller's (``save_on_cpu``).
+        And compiled code calls the hooks too: Dynamo would compile them as frames of their own,
+        so it is told to leave them alone, once it is loaded (importing it takes seconds, and
+        nothing is compiled before).
+        """
+        pack: Callable[[Any], Any] = self.pack
+        unpack: Callable[[Any], Any] = self.unpack
+        outer = torch._C._autograd._top_saved_tensors_default_hooks(True)
+        if outer is not None:
+            outer_pack, unpack = outer
+
+            def pack(tensor: torch.Tensor) -> Any:
+                return outer_pack(self.pack(tensor))
+
+        if "torch._dynamo" in sys.modules:
+            pack, unpack = torch.compiler.disable(pack), torch.compiler.disable(unpack)
+        return pack, unpack
+
     def counted(self, tensor: torch.Tensor) -> int:
         """The bytes counted so far for ``tensor``'s storage (0 if none, or not readable)."""
         found = _storage(tensor)
@@ -158,3 +181,12 @@ class SavedBytes:
         if found[0] in self._borrowed:
             return self._views.get(tensor.data_ptr(), 0)
         return self._storages.get(found[0], 0)
+
+
+def kept_bytes(inputs: Any) -> int:
+    """What a checkpointed micro-batch keeps: its stage input, by :class:`SavedBytes`' rule."""
+    if isinstance(inputs, torch.Tensor):  # the common case, on every checkpointed forward
+        return tensor_bytes(inputs)
+    counter = SavedBytes()
+    counter.keep(inputs)
+    return counter.nbytes

@@ -57,11 +57,11 @@ def _stop(threads: dict[int, tuple[threading.Thread, queue.SimpleQueue[Job | Non
 class DeviceThreads:
     """A daemon thread per pipeline device, started at its first job and kept across steps.
 
-    NOTE: a thread started per device per step cost about 0.1 ms of CPU each, and each new
-    thread builds its own intra-op (OpenMP) thread team at its first parallel op, so every
-    step also started K-1 teams anew. These threads live as long as their pipe: they end at
-    :meth:`close`, or once this object is garbage collected. A thread holds nothing of a
-    step between jobs, and a step re-enters its own settings on each thread.
+    NOTE: kept, not started per step: a new thread costs its start, and builds its own
+    intra-op (OpenMP) thread team at its first parallel op. These threads live as long as
+    their pipe: they end at :meth:`close`, or once this object is garbage collected. A
+    thread holds nothing of a step between jobs, and a step re-enters its own settings on
+    each thread.
     """
 
     def __init__(self) -> None:
