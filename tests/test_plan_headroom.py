@@ -11,8 +11,8 @@ from torch.nn import functional as F
 
 from conftest import make_mlp
 from gpipe import GPipe
+from gpipe.planning.plan_report import PlanReport
 from gpipe.planning.planner import plan
-from gpipe.planning.report import PlanReport
 
 
 def quiet_plan(module: nn.Sequential, devices: int, **kwargs: Any) -> PlanReport:

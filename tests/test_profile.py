@@ -6,7 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from gpipe.balance.profiler import Profile, optimizer_state_factor, profile
+from gpipe.balance import Profile, profile
+from gpipe.balance.optimizer_state import optimizer_state_factor
 
 FLOAT = 4  # bytes per float32
 LONG = 8  # bytes per int64

@@ -5,8 +5,9 @@ As in torchgpipe, ``balance_by_time(module, sample, stages)`` gives the ``balanc
 """
 
 from gpipe.balance.exact import balance_costs, balance_weighted
+from gpipe.balance.layer_profile import Profile
 from gpipe.balance.measured import balance_by_memory, balance_by_params, balance_by_time
-from gpipe.balance.profiler import Profile, profile
+from gpipe.balance.profiler import profile
 
 __all__ = [
     "Profile",

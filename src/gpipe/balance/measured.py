@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from gpipe.balance.exact import balance_costs, balance_weighted
+from gpipe.balance.optimizer_state import OptimizerSpec
 from gpipe.balance.profiler import profile
 
 __all__ = ["balance_by_memory", "balance_by_params", "balance_by_time"]
@@ -53,7 +54,7 @@ def balance_by_memory(
     sample: Any,
     stages: int,
     *,
-    optimizer: str | type[torch.optim.Optimizer] | None = None,
+    optimizer: OptimizerSpec = None,
     kept_microbatches: Sequence[int] | int = 1,
     device: str | torch.device = "cpu",
 ) -> list[int]:
@@ -67,7 +68,8 @@ def balance_by_memory(
         module: the model.
         sample: one micro-batch of input.
         stages: how many stages to cut into.
-        optimizer: whose state to count, see :func:`gpipe.profiler.optimizer_state_factor`.
+        optimizer: whose state to count, see
+            :func:`gpipe.balance.optimizer_state.optimizer_state_factor`.
         kept_microbatches: micro-batches of activations each stage keeps under the schedule:
             one number for all stages, or one per stage (``[M] * K`` for GPipe without
             re-materialization, ``[min(K - k, M) for k in range(K)]`` for 1F1B).

@@ -7,202 +7,19 @@ import statistics
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
+from gpipe.balance.layer_profile import Profile
+from gpipe.balance.optimizer_state import OptimizerSpec, optimizer_state_factor
 from gpipe.runtime.saved import SavedBytes, gradient_bytes, storage_keys, tensor_bytes
 from gpipe.runtime.split_backward import backward_input
 from gpipe.structure import leaves, map_tensors
-from gpipe.units import format_bytes
 
-__all__ = ["COST_KINDS", "Profile", "optimizer_state_factor", "profile"]
-
-#: What :meth:`Profile.costs` can weigh layers by.
-COST_KINDS = ("time", "memory", "params")
-
-# Optimizer state per parameter, in parameter-sized tensors (scalar step counters ignored).
-_STATE_BY_NAME: dict[str, int] = {"sgd": 0, "sgd-momentum": 1, "adam": 2, "adamw": 2}
-_STATE_BY_CLASS: dict[type, int] = {
-    torch.optim.SGD: 0,  # momentum is off by default; name "sgd-momentum" when it is on
-    torch.optim.Adagrad: 1,
-    torch.optim.RMSprop: 1,
-    torch.optim.Adadelta: 2,
-    torch.optim.Adam: 2,
-    torch.optim.AdamW: 2,
-    torch.optim.Adamax: 2,
-    torch.optim.NAdam: 2,
-    torch.optim.RAdam: 2,
-}
-
-
-@dataclass(frozen=True)
-class Profile:
-    """Measured per-layer costs of a model, index ``i`` for layer ``i``.
-
-    Times are in seconds (median of the timed repeats), sizes in bytes.
-
-    Attributes:
-        names: each layer's class name.
-        forward: forward time.
-        backward: backward time (input and weight gradients); 0 if nothing is differentiable.
-        output_bytes: bytes of the tensors the layer returns.
-        activation_bytes: bytes autograd saves for backward that this layer is the first to
-            save, once per storage, parameters and buffers excluded. The layers run as one
-            chain, so a tensor two neighbours both save (a Tanh's output that the next Linear
-            saves as its input) counts once, for the Tanh: the entries add up.
-        parameter_bytes: bytes of the layer's parameters.
-        gradient_bytes: bytes of the gradients of its trainable parameters.
-        optimizer_bytes: bytes of optimizer state for its trainable parameters.
-        input_bytes: bytes of the tensors the layer receives (a stage starting here keeps them
-            for its backward).
-        saved_input_bytes: the part of ``activation_bytes`` that is the layer's own input.
-        cpu: CPU seconds the calling thread spent on the layer's forward + backward:
-            ``cpu / (forward + backward)`` is near 1 when the layer computes on the CPU (its
-            intra-op threads busy alongside) and near 0 when it waits on an accelerator.
-            (The calling thread only: idle OpenMP workers spin, which would count as work.)
-        weight: the part of ``backward`` that is the weight gradient (what a zero-bubble W
-            runs): backward time minus the input gradient alone. Measured only with
-            ``profile(..., split_backward=True)``, else empty.
-        deferred_bytes: what a zero-bubble B keeps for W from this layer: the gradients at
-            its parameter forks (its input taking a gradient). Measured only with
-            ``profile(..., split_backward=True)``, else empty.
-    """
-
-    names: list[str]
-    forward: list[float]
-    backward: list[float]
-    output_bytes: list[int]
-    activation_bytes: list[int]
-    parameter_bytes: list[int]
-    gradient_bytes: list[int]
-    optimizer_bytes: list[int]
-    input_bytes: list[int] = field(default_factory=list)
-    saved_input_bytes: list[int] = field(default_factory=list)
-    cpu: list[float] = field(default_factory=list)
-    weight: list[float] = field(default_factory=list)
-    deferred_bytes: list[int] = field(default_factory=list)
-
-    @property
-    def layers(self) -> int:
-        """How many layers were profiled."""
-        return len(self.names)
-
-    def stage_activation_bytes(self, start: int, end: int) -> int:
-        """What one micro-batch of a stage holding layers ``start..end-1`` keeps for backward.
-
-        The stage input (the pipeline keeps it) plus every activation its layers save, each
-        storage once: exactly what the runtime counts in ``Event.memory``.
-
-        Args:
-            start: the stage's first layer.
-            end: one past its last layer.
-
-        Returns:
-            Bytes.
-
-        Raises:
-            ValueError: an empty or out-of-range layer span.
-        """
-        if not 0 <= start < end <= self.layers:
-            raise ValueError(f"need 0 <= start < end <= {self.layers}, got {start=}, {end=}")
-        saved = sum(self.activation_bytes[start:end])
-        # NOTE: a first layer that saves its input (Linear) holds the stage input already.
-        return self.input_bytes[start] + saved - self.saved_input_bytes[start]
-
-    def costs(self, kind: str = "time") -> list[float]:
-        """One cost per layer, ready for :func:`gpipe.balance.balance_costs`.
-
-        Args:
-            kind: ``"time"`` (forward + backward seconds), ``"memory"`` (bytes of parameters,
-                gradients, optimizer state and saved activations of one micro-batch) or
-                ``"params"`` (parameter bytes).
-
-        Returns:
-            A non-negative cost per layer.
-
-        Raises:
-            ValueError: an unknown ``kind``.
-        """
-        if kind == "time":
-            return [f + b for f, b in zip(self.forward, self.backward)]
-        if kind == "memory":
-            parts = zip(
-                self.parameter_bytes,
-                self.gradient_bytes,
-                self.optimizer_bytes,
-                self.activation_bytes,
-            )
-            return [float(sum(layer)) for layer in parts]
-        if kind == "params":
-            return [float(size) for size in self.parameter_bytes]
-        raise ValueError(f"kind must be one of {', '.join(map(repr, COST_KINDS))}, got {kind!r}")
-
-    def __str__(self) -> str:
-        header = ("layer", "forward", "backward", "output", "saved", "params", "optimizer")
-        rows = [header]
-        for i in range(self.layers):
-            rows.append(
-                (
-                    f"{i} {self.names[i]}",
-                    _format_seconds(self.forward[i]),
-                    _format_seconds(self.backward[i]),
-                    format_bytes(self.output_bytes[i]),
-                    format_bytes(self.activation_bytes[i]),
-                    format_bytes(self.parameter_bytes[i]),
-                    format_bytes(self.optimizer_bytes[i]),
-                )
-            )
-        rows.append(
-            (
-                "total",
-                _format_seconds(sum(self.forward)),
-                _format_seconds(sum(self.backward)),
-                "",
-                format_bytes(sum(self.activation_bytes)),
-                format_bytes(sum(self.parameter_bytes)),
-                format_bytes(sum(self.optimizer_bytes)),
-            )
-        )
-        widths = [max(len(row[c]) for row in rows) for c in range(len(header))]
-        lines = [
-            "  ".join(
-                cell.ljust(width) if c == 0 else cell.rjust(width)
-                for c, (cell, width) in enumerate(zip(row, widths))
-            ).rstrip()
-            for row in rows
-        ]
-        return "\n".join(lines)
-
-
-def optimizer_state_factor(optimizer: str | type[torch.optim.Optimizer] | None) -> int:
-    """Optimizer state per trainable parameter, in multiples of the parameter's size.
-
-    Args:
-        optimizer: None or ``"sgd"`` (no state), ``"sgd-momentum"`` (one buffer), ``"adam"``
-            or ``"adamw"`` (two moments), or an optimizer class such as ``torch.optim.Adam``.
-
-    Returns:
-        0, 1 or 2.
-
-    Raises:
-        ValueError: an optimizer this does not know.
-    """
-    if optimizer is None:
-        return 0
-    if isinstance(optimizer, str) and optimizer.lower() in _STATE_BY_NAME:
-        return _STATE_BY_NAME[optimizer.lower()]
-    if isinstance(optimizer, type):
-        for cls in optimizer.__mro__:
-            if cls in _STATE_BY_CLASS:
-                return _STATE_BY_CLASS[cls]
-    names = ", ".join(map(repr, _STATE_BY_NAME))
-    raise ValueError(
-        f"unknown optimizer {optimizer!r}: pass None, one of {names}, or a torch.optim class "
-        "such as torch.optim.Adam"
-    )
+__all__ = ["profile"]
 
 
 def profile(
@@ -212,7 +29,7 @@ def profile(
     device: str | torch.device = "cpu",
     repeats: int = 5,
     warmup: int = 2,
-    optimizer: str | type[torch.optim.Optimizer] | None = None,
+    optimizer: OptimizerSpec = None,
     split_backward: bool = False,
 ) -> Profile:
     """Measure every layer of ``module`` on ``sample``, one layer at a time.
@@ -231,7 +48,8 @@ def profile(
         device: where to run.
         repeats: timed runs per layer; the median is kept.
         warmup: untimed runs before them.
-        optimizer: which optimizer's state to count, see :func:`optimizer_state_factor`.
+        optimizer: which optimizer's state to count, see
+            :func:`gpipe.balance.optimizer_state.optimizer_state_factor`.
         split_backward: also time each layer's input gradient alone, to split its backward
             into B and W for zero-bubble schedules (``Profile.weight``).
 
@@ -505,7 +323,3 @@ def _describe(value: Any) -> str:
     if isinstance(value, torch.Tensor):
         return f"a tensor of shape {tuple(value.shape)}"
     return repr(value) if len(repr(value)) < 60 else type(value).__name__
-
-
-def _format_seconds(seconds: float) -> str:
-    return f"{seconds * 1e3:.3f} ms"

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from gpipe.planning.report import Plan
+    from gpipe.planning.plan_report import Plan
 
 __all__ = ["measured_headroom"]
 

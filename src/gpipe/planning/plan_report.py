@@ -5,11 +5,14 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, overload
+from typing import TYPE_CHECKING, Any, TypeAlias, overload
 
 from gpipe.units import format_bytes
 
-__all__ = ["Plan", "PlanReport", "Rejection"]
+if TYPE_CHECKING:
+    from gpipe.schedule import Schedule
+
+__all__ = ["Plan", "PlanOrReport", "PlanReport", "Rejection"]
 
 
 @dataclass(frozen=True)
@@ -49,7 +52,7 @@ class Plan:
     bubble: float
     peak_memory: list[int]
     activation_memory: list[int] = field(default_factory=list)
-    built: Any = None
+    built: Schedule | None = None
     dp: int = 1
     zero: bool = False
     headroom: float = 1.0
@@ -180,3 +183,7 @@ class PlanReport(Sequence[Plan]):
         for r in shown:
             lines.append(f"  rejected {r.plan.describe()}: {r.reason}")
         return "\n".join(lines)
+
+
+#: What :meth:`gpipe.GPipe.from_plan` builds a pipe from: a plan, or a report (its best plan).
+PlanOrReport: TypeAlias = Plan | PlanReport

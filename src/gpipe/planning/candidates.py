@@ -1,0 +1,195 @@
+"""The candidates: every layout the planner weighs, and what each is predicted to cost.
+
+A candidate is a chunk count, stage count, schedule and checkpoint mode. Its costs come from
+the profile at its micro-batch size, balanced on measured time, plus what the host and the
+data-parallel replicas add; its step time from the simulator, its memory from the walk of
+each device's actions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from gpipe.analysis import Costs, Timeline, activation_peaks, search, simulate
+from gpipe.planning.host_model import host_share
+from gpipe.planning.measurements import Measurements
+from gpipe.planning.plan_report import Plan
+from gpipe.schedule import Schedule, make_schedule
+
+__all__ = ["SPLIT_SCHEDULES", "TWO_PER_DEVICE", "Replicas", "candidates", "evaluate"]
+
+# Schedules with separate weight-gradient (W) actions, whose W time the profile must measure.
+SPLIT_SCHEDULES = ("zb-h1", "zb-h2", "zb-v", "auto")
+# Schedules with two stages per device.
+TWO_PER_DEVICE = ("interleaved", "zb-v")
+
+
+def candidates(
+    counts: Sequence[int], devices: int, layers: int, schedules: Sequence[str], modes: Sequence[str]
+) -> list[tuple[int, int, str, str]]:
+    """Every (chunks, stages, schedule, checkpoint mode) to weigh, on up to ``devices``.
+
+    Raises:
+        ValueError: no candidate at all (two-per-device schedules only, too few devices or
+            layers).
+    """
+    found = [
+        (m, k, name, mode)
+        for m in counts
+        for k in range(1, min(devices, layers) + 1)
+        for name in schedules
+        if not (name in TWO_PER_DEVICE and (k < 2 or 2 * k > layers))
+        for mode in modes
+    ]
+    if not found:
+        raise ValueError(
+            f"nothing to plan: {', '.join(schedules)} on {devices} device(s) and "
+            f"{layers} layer(s) gives no candidate ('interleaved' and 'zb-v' need at least 2 "
+            "devices and 2 layers per device); add devices or other schedules"
+        )
+    return found
+
+
+def evaluate(
+    measure: Measurements,
+    chunks: int,
+    stages: int,
+    name: str,
+    mode: str,
+    devices: list[str],
+    overhead: float,
+    budget: int | None,
+    replica: Replicas,
+) -> Plan:
+    """The plan of one candidate: its balance, simulated step time and peak memory per device."""
+    v = 2 if name in TWO_PER_DEVICE else 1
+    measured = measure.at(chunks)
+    weight = measured.weight or [0.0] * measured.layers
+    balance = measure.balance(chunks, stages * v)
+    bounds = [0]
+    for count in balance:
+        bounds.append(bounds[-1] + count)
+    spans = list(itertools.pairwise(bounds))
+    split = name in SPLIT_SCHEDULES
+    forward = [sum(measured.forward[a:b]) for a, b in spans]
+    # NOTE: W is measured as the backward minus the input gradient alone; on a busy machine
+    # that difference can come out above the backward itself, which would leave B negative.
+    w = [
+        min(max(sum(weight[a:b]), 0.0), sum(measured.backward[a:b])) if split else 0.0
+        for a, b in spans
+    ]
+    recomputed = {"always": 1.0, "except_last": (chunks - 1) / chunks, "never": 0.0}[mode]
+    backward = [
+        sum(measured.backward[a:b]) - w_s + recomputed * f
+        for (a, b), w_s, f in zip(spans, w, forward)
+    ]
+    full = [measured.stage_activation_bytes(a, b) for a, b in spans]
+    kept = [measured.input_bytes[a] for a, _ in spans]
+    stored = [
+        sum(measured.parameter_bytes[a:b] + measured.gradient_bytes[a:b])
+        + replica.optimizer_share(sum(measured.optimizer_bytes[a:b]))
+        for a, b in spans
+    ]
+    placement = (
+        make_schedule(name, stages, chunks, virtual_stages=v).placement
+        if name != "auto"
+        else tuple(range(stages))
+    )
+    share = host_share(measured, spans, devices, placement)
+    forward, backward = (
+        [t * share + overhead for t in forward],
+        [t * share + overhead for t in backward],
+    )
+    w = [t * share + overhead if split else 0.0 for t in w]
+    costs = Costs(forward=forward, backward=backward, weight=w)
+    if name == "auto":
+        schedule = _search(stages, chunks, costs, full if mode == "never" else kept, stored, budget)
+    else:
+        schedule = make_schedule(name, stages, chunks, virtual_stages=v)
+    timeline = simulate(schedule, costs)
+    # NOTE: the mini-batch takes no gradient; every later stage sends one back, the size of
+    # its input. A stage sending none defers its whole backward, keeping what it received.
+    gradient = [0, *kept[1:]]
+    deferred = None
+    if measured.deferred_bytes:
+        deferred = [sum(measured.deferred_bytes[a:b]) for a, b in spans]
+        deferred[0] = gradient[1] if len(spans) > 1 else 0
+    peaks = activation_peaks(schedule, full, kept, mode, gradient=gradient, deferred=deferred)
+    activations = [int(peak) for peak in peaks]  # whole bytes in, whole bytes out
+    fixed = [0] * stages
+    reduced = [0] * stages
+    for s, held in enumerate(stored):
+        fixed[schedule.placement[s]] += held
+        reduced[schedule.placement[s]] += sum(measured.gradient_bytes[spans[s][0] : spans[s][1]])
+    return Plan(
+        stages=stages,
+        chunks=chunks,
+        checkpoint=mode,
+        schedule=name,
+        virtual_stages=v,
+        balance=list(balance),
+        devices=devices,
+        predicted_step=replica.step(timeline, reduced),
+        bubble=timeline.bubble,
+        peak_memory=[f + a for f, a in zip(fixed, activations)],
+        activation_memory=activations,
+        built=schedule if name == "auto" else None,
+        dp=replica.dp,
+        zero=replica.zero,
+    )
+
+
+@dataclass(frozen=True)
+class Replicas:
+    """What data parallelism adds to one replica's pipeline: a share of the optimizer state
+    (ZeRO) and the wait for the gradient all-reduce."""
+
+    dp: int
+    zero: bool
+    bandwidth: float | None
+
+    def optimizer_share(self, nbytes: int) -> int:
+        """What one replica holds of ``nbytes`` of optimizer state: 1/dp of it under ZeRO."""
+        return -(-nbytes // self.dp) if self.zero else nbytes
+
+    def step(self, timeline: Timeline, gradient_bytes: list[int]) -> float:
+        """The step: each device's last action, then its all-reduce (ring, over the link)."""
+        if self.dp == 1 or self.bandwidth is None:
+            return timeline.makespan
+        ring = 2 * (self.dp - 1) / self.dp / self.bandwidth
+        ends = [
+            (device[-1].end if device else 0.0) + ring * nbytes
+            for device, nbytes in zip(timeline.events, gradient_bytes)
+        ]
+        return max(ends) - timeline.start
+
+
+def _search(
+    stages: int,
+    chunks: int,
+    costs: Costs,
+    activation: list[int],
+    stored: list[int],
+    budget: int | None,
+) -> Schedule:
+    """The "auto" schedule under what the budget leaves each device for activations.
+
+    One stage per device, so each stage's parameters, gradients and optimizer state come off
+    its device's budget. Without a budget the search may hold every micro-batch (then it is
+    the fastest schedule there is); with one the parameters alone fill, it searches under
+    1F1B's memory, and the plan is rejected as over the budget like any other.
+    """
+    costs = dataclasses.replace(costs, activation_bytes=[max(a, 1) for a in activation])
+    if budget is None:
+        return search(stages, chunks, costs=costs, memory_limit=chunks * max(activation))
+    if all(budget > held for held in stored):
+        try:
+            return search(
+                stages, chunks, costs=costs, memory_limit=[budget - held for held in stored]
+            )
+        except ValueError:  # nothing fits: the plan goes over the budget
+            pass
+    return search(stages, chunks, costs=costs)
