@@ -10,7 +10,7 @@ result is never slower than the best of them that fits. Each candidate is timed 
 :func:`simulate` under the given costs; the fastest that fits wins, and among equally fast
 ones the one with the shorter span per device (faster when steps run back to back), then
 the one that holds less. A greedy candidate that cannot beat the best so far is stopped as
-soon as that is sure (with equal costs, a few percent into building it).
+soon as that is sure, usually early in building it.
 
     schedule = search(4, 8, costs=Costs(forward=1, backward=1, weight=1), memory_limit=4)
     pipe = GPipe(model, balance, devices=devices, chunks=8, schedule=schedule)
@@ -139,8 +139,7 @@ def search(
         judge(schedule, first if index == 0 else simulate(schedule, costs))
     # NOTE: the greedy builder times each schedule as it builds it, never slower than
     # simulate does (the same costs, and transfers no dearer), so it stops a candidate as
-    # soon as a device cannot finish by the best step so far: it could never win. Most
-    # candidates stop within the first tenth of their actions.
+    # soon as a device cannot finish by the best step so far: it could never win.
     negative = _any_negative(costs)
     for build in _builders(stages, microbatches, virtual_stages, costs, limits):
         deadline = None if best is None or negative else best[0][0]

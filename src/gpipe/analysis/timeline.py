@@ -104,9 +104,9 @@ class Timeline:
             then show ranks, and the Perfetto trace a process track per rank.
     """
 
-    # NOTE: a plain class, not a dataclass: a simulated timeline of 262k actions is held as
-    # columns, and its Event and Transfer objects cost more than the simulation, so they
-    # are made when ``events`` or ``transfers`` is first read (never, in a search).
+    # NOTE: a plain class, not a dataclass: a long simulated timeline is held as columns,
+    # since its Event and Transfer objects can cost more than the simulation; they are
+    # made when ``events`` or ``transfers`` is first read (never, in a search).
     __hash__ = None  # type: ignore[assignment]
 
     def __init__(
@@ -191,8 +191,8 @@ class Timeline:
     @property
     def makespan(self) -> float:
         """Time from the first action's start to the last action's end."""
-        # NOTE: a device runs one action at a time, so its last event ends last; this runs
-        # once per chart row, and a K=128, M=1024 timeline has 262k events.
+        # NOTE: a device runs one action at a time, so its last event ends last: no scan of
+        # every event, which matters as this runs once per chart row.
         ends = [b[1] for b in self._bounds() if b is not None]
         return max(ends, default=0.0) - self.start
 
@@ -202,8 +202,8 @@ class Timeline:
         if self._events is None:
             assert self._columns is not None
             return self._columns.busy()
-        # NOTE: end - start inline, not the duration property: a call per event is half the
-        # time of a chart's header at K=128, M=1024.
+        # NOTE: end - start inline, not the duration property: a call per event would
+        # dominate a long timeline's chart header.
         return [sum(e.end - e.start for e in device) for device in self._events]
 
     @property

@@ -130,8 +130,8 @@ class WorkerGenerators:
 
         Then routing has nothing to do (it leaves ops on own generators alone), so a probe
         need not run a dispatch mode. NOTE: the first dispatch mode a process enters imports
-        about 800 modules (torch._dynamo among them), 1.1 s on two cores, which landed
-        inside the first step's first forward of every one-stage process.
+        torch._dynamo, which would take seconds inside the first step's first forward of
+        every one-stage process.
         """
         if self.shared or "cpu" not in self.own or torch.backends.mps.is_available():
             return False
@@ -159,7 +159,7 @@ class WorkerGenerators:
             return own, []
         # NOTE: shared ones are read under their locks, so a generator another worker
         # holds seeded (and restores) is never seen half-way. The locks are taken by hand,
-        # not with _holding's ExitStack, which was 40 % of this (once per stage forward).
+        # not with _holding's ExitStack, too dear for a call made once per stage forward.
         locks = [_lock(name) for name in self.shared]
         for lock in locks:
             lock.acquire()

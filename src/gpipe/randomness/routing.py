@@ -8,9 +8,9 @@ attention) run with the stream lent to the default generator, under its lock, fo
 Either way an op draws what it would draw from the default generator seeded from the stream,
 so a layer draws the same numbers routed as on a generator its worker owns.
 
-NOTE: a Python dispatch mode costs about 10 µs per op run under it (measured by
-``benchmarks/dropout.py``), random or not, so it is only active around layers that draw on a
-generator other workers share (see ``streams``).
+NOTE: a Python dispatch mode costs CPU on every op run under it (``benchmarks/dropout.py``
+measures it), random or not, so it is only active around layers that draw on a generator
+other workers share (see ``streams``).
 """
 
 from __future__ import annotations
@@ -158,9 +158,9 @@ class Routing(TorchDispatchMode):
     def warm_up() -> None:
         """Enter a routing mode once, so its one-time cost is paid now, not in a step.
 
-        NOTE: the first dispatch mode a process enters imports torch._dynamo (about 800
-        modules, 1-8 s on a loaded machine), which otherwise lands in the first forward of
-        the first step and stretches it on every timeline.
+        NOTE: the first dispatch mode a process enters imports torch._dynamo (seconds),
+        which otherwise lands in the first forward of the first step and stretches it on
+        every timeline.
         """
         with Routing(0).active():
             torch.empty(0)

@@ -6,7 +6,7 @@ A layer runs, for each micro-batch, in one of four ways, learned by probing it:
     seeded   it draws only on generators its worker owns: those are seeded from its
              stream around the call and restored after (free per op)
     routed   it draws on a generator other workers share: a dispatch mode hands its
-             random ops the stream's private generator (5-10 µs per op, every op)
+             random ops the stream's private generator (a CPU cost on every op)
     held     it holds the shared generators, seeded, under a lock, for its call: when
              routing would cost more than a tenth of its time (small ops), or when
              some of its draws bypass routing (a custom kernel reading the generator)
@@ -44,9 +44,9 @@ PLAIN, SEEDED, ROUTED, HELD = "plain", "seeded", "routed", "held"
 
 # A layer that draws on a shared generator holds it (seeded, under a lock, for its call)
 # rather than being routed when routing costs more CPU than this share of the time it would
-# hold the generator: a layer of small ops (a tiny transformer block: 69 ops, routing took
-# its forward from 0.83 to 1.57 ms of CPU; a lone dropout). A layer whose time goes to long
-# kernels (or sleeps) is routed, so it never keeps others waiting for long.
+# hold the generator: a layer of small ops (a tiny transformer block, a lone dropout). A
+# layer whose time goes to long kernels (or sleeps) is routed, so it never keeps others
+# waiting for long.
 # NOTE: both draw the same numbers, so this choice changes the speed, never the result.
 _HOLD_ABOVE = 0.1
 # Runs of each way a layer is timed before the choice (after its probe).

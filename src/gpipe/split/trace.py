@@ -24,7 +24,7 @@ model at a buffer sliced by a traced length (GPT-2's causal ``bias[:T, :T]``); g
 tracer proxies buffers, which follows it.
 
 Hugging Face models (GPT-2, Llama, BERT, T5, Mixtral in ``transformers`` 5) trace as they
-are, with four things plain fx lacks (measured in ``tests/test_hf_models.py``: every
+are, with four things plain fx lacks (checked in ``tests/test_hf_models.py``: every
 gradient equals plain training's to round-off):
 
 - the root is a generated function naming exactly the inputs given, which calls the
