@@ -14,7 +14,7 @@ ROOT = Path(gpipe.__file__).parent
 
 # Layers from the bottom up: a module may import its own layer and the layers below it.
 LAYERS = [
-    ("units", "checkpoint", "schedule", "data"),
+    ("units", "recompute", "schedule", "data"),
     ("analysis",),
     (
         "structure",
@@ -24,12 +24,12 @@ LAYERS = [
         "randomness",
         "batchnorm",
         "arguments",
-        "settings",
         "loss",
         "tied",
     ),
     ("runtime",),
     ("balance", "models", "skip", "split"),
+    ("core", "local_layout", "bench"),
     ("pipe",),
     ("distributed",),
     ("planning",),
@@ -37,7 +37,7 @@ LAYERS = [
     ("cli",),
 ]
 # Must import without PyTorch: the simulator, timelines and `gpipe --help` start at once.
-TORCH_FREE = ("units", "checkpoint", "schedule", "data", "analysis", "cli")
+TORCH_FREE = ("units", "recompute", "schedule", "data", "analysis", "cli")
 
 
 def module_name(path: Path) -> str:

@@ -67,3 +67,46 @@ def test_chunks_below_one_is_rejected() -> None:
 def test_gather_rejects_scalars_and_names_train_step() -> None:
     with pytest.raises(ValueError, match="train_step"):
         gather([torch.tensor(1.0), torch.tensor(2.0)])
+
+
+def test_split_batch_gives_the_micro_batches_their_sizes_and_the_total_in_one_pass() -> None:
+    from gpipe.microbatch import split_batch
+
+    x = {"a": torch.arange(10.0).reshape(5, 2), "mask": torch.ones(2, 5), "n": 3}
+    batch = split_batch(x, 3, {"a": 0, "mask": 1, "n": None})
+    assert batch.sizes == [2, 2, 1] and batch.total == 5 and batch.microbatches == 3
+    assert [part["a"].tolist() for part in batch.parts] == [
+        [[0.0, 1.0], [2.0, 3.0]],
+        [[4.0, 5.0], [6.0, 7.0]],
+        [[8.0, 9.0]],
+    ]
+    assert [tuple(part["mask"].shape) for part in batch.parts] == [(2, 2), (2, 2), (2, 1)]
+    assert all(part["n"] == 3 for part in batch.parts)
+
+
+def test_a_replicas_share_is_cut_as_scatter_cuts_the_whole_batch_then_its_part() -> None:
+    from gpipe.microbatch import split_batch
+
+    x = torch.arange(22.0).reshape(11, 2)
+    for replica in range(3):
+        batch = split_batch(x, 2, replicas=3, replica=replica)
+        expected = scatter(scatter(x, 3)[replica], 2)
+        assert len(batch.parts) == len(expected)
+        for got, want in zip(batch.parts, expected):
+            assert torch.equal(got, want)
+        assert batch.total == scatter(x, 3)[replica].shape[0]
+    with pytest.raises(ValueError, match="the input batch has 2 samples for 3 replicas"):
+        split_batch(x[:2], 2, replicas=3)
+
+
+def test_the_shapes_number_changes_with_shape_dtype_and_requires_grad_only() -> None:
+    from gpipe.microbatch import split_batch
+
+    def shapes(x: torch.Tensor) -> int:
+        return split_batch(x, 2).shapes
+
+    base = shapes(torch.zeros(4, 3))
+    assert shapes(torch.ones(4, 3)) == base  # values do not count
+    assert shapes(torch.zeros(4, 5)) != base
+    assert shapes(torch.zeros(4, 3, dtype=torch.float64)) != base
+    assert shapes(torch.zeros(4, 3, requires_grad=True)) != base

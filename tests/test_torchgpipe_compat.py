@@ -79,7 +79,7 @@ def test_bad_schedule_or_checkpoint_set_later_is_refused_and_the_old_one_kept() 
     assert (pipe.schedule, pipe.checkpoint) == ("gpipe", "always")
     pipe.checkpoint = "never"
     pipe.train_step(torch.randn(8, 6, dtype=torch.float64), torch.zeros(8, 6), F.mse_loss)
-    assert pipe._last is not None and pipe._last.state.checkpoint == "never"
+    assert pipe._last is not None and pipe._last[0].state.checkpoint == "never"
 
 
 def test_a_schedule_set_later_that_places_stages_elsewhere_is_refused_with_the_fix() -> None:

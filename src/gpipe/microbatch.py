@@ -7,15 +7,30 @@ None (not batched) or a tuple/list/dict of them shaped like the value, or like a
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+import functools
+import zlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeAlias
 
 import torch
 from torch.utils import _pytree as pytree
 
-__all__ = ["batch_size", "check_batch_dims", "gather", "microbatch_sizes", "scatter"]
+__all__ = [
+    "Batch",
+    "BatchDims",
+    "batch_size",
+    "check_batch_dims",
+    "gather",
+    "microbatch_sizes",
+    "scatter",
+    "split_batch",
+]
 
-BatchDims = Any  # int | None | a tuple/list/dict of them
+BatchDims: TypeAlias = (
+    "int | tuple[BatchDims, ...] | list[BatchDims] | Mapping[str, BatchDims] | None"
+)
+"""Where a value is batched: a dim, None (not batched), or a tree of them shaped like it."""
 
 
 def check_batch_dims(dims: BatchDims, name: str) -> BatchDims:
@@ -130,6 +145,87 @@ def microbatch_sizes(total: int, chunks: int) -> list[int]:
     return [total // count + (1 if i < total % count else 0) for i in range(count)]
 
 
+@dataclass(frozen=True)
+class Batch:
+    """A mini-batch cut into micro-batches, with what a step needs to know of it.
+
+    Attributes:
+        parts: the micro-batches themselves, each shaped like the batch (views of its
+            tensors); ``microbatches`` elsewhere is always their count, M.
+        sizes: the samples in each micro-batch.
+    """
+
+    parts: list[Any]
+    sizes: list[int]
+    _split: list[Any] = field(repr=False, compare=False)  # each leaf's parts, or its copies
+
+    @property
+    def microbatches(self) -> int:
+        """M, the number of micro-batches (fewer than asked when there are fewer samples)."""
+        return len(self.sizes)
+
+    @property
+    def total(self) -> int:
+        """The samples in the whole batch."""
+        return sum(self.sizes)
+
+    @functools.cached_property
+    def shapes(self) -> int:
+        """A number standing for the micro-batches' structure, shapes, dtypes and
+        requires_grad: what the shape of every message of a step follows from."""
+        described = [
+            (tuple(leaf.shape), str(leaf.dtype), leaf.requires_grad)
+            if isinstance(leaf, torch.Tensor)
+            else repr(leaf)
+            for i in range(len(self.parts))
+            for leaf in (cut[i] for cut in self._split)
+        ]
+        return zlib.crc32(repr(described).encode())
+
+
+def split_batch(
+    value: Any,
+    chunks: int,
+    dims: BatchDims = 0,
+    *,
+    what: str = "input",
+    replicas: int = 1,
+    replica: int = 0,
+) -> Batch:
+    """Cut ``value`` into at most ``chunks`` micro-batches in one pass over its leaves.
+
+    With ``replicas`` > 1 the batch is first cut into that many parts the same way, and
+    only part ``replica`` is split into micro-batches (a data-parallel replica's share).
+
+    Raises:
+        ValueError: ``chunks`` < 1, fewer samples than ``replicas``, or the checks of
+            :func:`batch_size`.
+        TypeError: ``value`` holds no batched tensor.
+    """
+    if chunks < 1:
+        raise ValueError(f"chunks must be >= 1, got {chunks}")
+    leaves, spec, axes, size = _flatten(value, dims, what)
+    if replicas > 1:
+        if size < replicas:
+            raise ValueError(
+                f"the {what} batch has {size} samples for {replicas} replicas: give each "
+                "replica at least one"
+            )
+        leaves = [
+            leaf if dim is None else torch.tensor_split(leaf, replicas, dim=dim)[replica]
+            for leaf, dim in zip(leaves, axes)
+        ]
+        size = microbatch_sizes(size, replicas)[replica]
+    sizes = microbatch_sizes(size, chunks)
+    count = len(sizes)
+    split = [
+        (leaf,) * count if dim is None else torch.tensor_split(leaf, count, dim=dim)
+        for leaf, dim in zip(leaves, axes)
+    ]
+    parts = [pytree.tree_unflatten([cut[i] for cut in split], spec) for i in range(count)]
+    return Batch(parts, sizes, split)
+
+
 def scatter(inputs: Any, chunks: int, dims: BatchDims = 0, *, what: str = "input") -> list[Any]:
     """Split ``inputs`` into at most ``chunks`` micro-batches along their batch dims.
 
@@ -148,15 +244,7 @@ def scatter(inputs: Any, chunks: int, dims: BatchDims = 0, *, what: str = "input
     Returns:
         The micro-batches, each with the structure of ``inputs``.
     """
-    if chunks < 1:
-        raise ValueError(f"chunks must be >= 1, got {chunks}")
-    leaves, spec, axes, size = _flatten(inputs, dims, what)
-    count = min(chunks, size)
-    split = [
-        (leaf,) * count if dim is None else torch.tensor_split(leaf, count, dim=dim)
-        for leaf, dim in zip(leaves, axes)
-    ]
-    return [pytree.tree_unflatten([parts[i] for parts in split], spec) for i in range(count)]
+    return split_batch(inputs, chunks, dims, what=what).parts
 
 
 def gather(

@@ -3,66 +3,36 @@ pipeline."""
 
 from __future__ import annotations
 
-import dataclasses
-import math
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
 
-from gpipe.analysis import Costs, Timeline, kept_microbatches, simulate, skips_from_timeline
-from gpipe.arguments import (
-    check_balance_type,
-    check_flag,
-    check_model,
-    check_stages_balance,
-    check_target_size,
-    check_virtual,
-    refuse_keywords,
-)
-from gpipe.balance import balance_by_memory, balance_by_params, balance_by_time
-from gpipe.batchnorm import (
-    DeferredBatchNorm,
-    committing,
-    convert_deferred_batch_norm,
-    refuse_reused_batch_norm,
-)
-from gpipe.dataflow import Stages, named_batch_dims
-from gpipe.loss import check_loss_arguments, microbatch_weights, normalized, weighted_total
-from gpipe.microbatch import (
-    BatchDims,
-    batch_size,
-    check_batch_dims,
-    gather,
-    microbatch_sizes,
-    scatter,
-)
-from gpipe.partition import check_balance, split_module
-from gpipe.randomness import draw_step_seed
-from gpipe.runtime.caller import PipelineBackward, backward_into_input, collect_outputs, feed
-from gpipe.runtime.devices import as_devices
+from gpipe.analysis import Timeline, kept_microbatches
+from gpipe.arguments import refuse_keywords
+from gpipe.balance.optimizer_state import OptimizerSpec
+from gpipe.core.pipe_core import PipeCore
+from gpipe.core.targets import LossFn, check_train_arguments, weighted_loss
+from gpipe.dataflow import Stages
+from gpipe.local_layout import Device, find_balance, fit_devices, given_devices, stages_layout
+from gpipe.loss import weighted_total
+from gpipe.microbatch import Batch, BatchDims, gather
+from gpipe.partition import split_module
+from gpipe.runtime.caller import PipelineBackward, backward_into_input, collect_outputs
 from gpipe.runtime.mailbox import LocalTransport
 from gpipe.runtime.routes import Routes
-from gpipe.runtime.stages import StageSet
-from gpipe.runtime.state import Loss, StepState
-from gpipe.runtime.step import Step
-from gpipe.schedule import (
-    BACKWARD,
-    FORWARD,
-    Schedule,
-    check_virtual_stages,
-    make_schedule,
-)
-from gpipe.settings import StepSettings
+from gpipe.runtime.stage_set import StageSet
+from gpipe.schedule import BACKWARD, FORWARD, Schedule, make_schedule
 from gpipe.skip import has_skippables
 from gpipe.skip import stages as skip_stages
-from gpipe.structure import leaves, map_tensors
+from gpipe.structure import leaves
 from gpipe.tied import TiedParameters
 
-__all__ = ["GPipe"]
+if TYPE_CHECKING:  # planning sits above the pipe: only its types are named here
+    from gpipe.planning.plan_report import Plan, PlanOrReport
 
-Device = torch.device | str | int
+__all__ = ["GPipe"]
 
 _MOVING_DENIED = (
     "the pipe owns device placement: pass devices=[...] to GPipe instead of moving it with "
@@ -70,21 +40,7 @@ _MOVING_DENIED = (
 )
 
 
-def _default_stage_count(module: nn.Sequential) -> int:
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    return max(1, min(len(module), gpus or 2))
-
-
-def _empty_list(value: Any) -> bool:
-    return isinstance(value, Sequence) and not isinstance(value, str) and len(value) == 0
-
-
-class _TooFewDevices(ValueError, IndexError):
-    """``balance`` and ``devices`` disagree, most often fewer devices than stages: a
-    ValueError, and an IndexError as torchgpipe raises for too few devices."""
-
-
-class GPipe(StepSettings, nn.Module):
+class GPipe(PipeCore):
     """Run an ``nn.Sequential`` (or :class:`~gpipe.Stages`) as a pipeline of stages over
     micro-batches (GPipe).
 
@@ -153,6 +109,8 @@ class GPipe(StepSettings, nn.Module):
     are added into its ``.grad``. ``pipe.parameters()`` and ``state_dict()`` hold only it.
     """
 
+    partitions: nn.ModuleList | Stages  # one module per stage, holding the user's layers
+
     def __init__(
         self,
         module: nn.Sequential | Stages,
@@ -164,165 +122,93 @@ class GPipe(StepSettings, nn.Module):
         schedule: str | Schedule = "gpipe",
         virtual_stages: int = 1,
         sample: Any = None,
-        optimizer: Any = None,
+        optimizer: OptimizerSpec = None,
         track_memory: bool = True,
         deferred_batch_norm: bool = False,
         input_batch_dims: BatchDims = 0,
         output_batch_dims: BatchDims = 0,
     ) -> None:
         super().__init__()
-        check_virtual(virtual_stages)
-        check_virtual_stages(schedule, virtual_stages)
-        check_balance_type(balance)
-        if not isinstance(module, Stages):
-            check_model(module, "GPipe")
-        check_flag("track_memory", track_memory)
-        check_flag("deferred_batch_norm", deferred_batch_norm)
+        self._configure(
+            module,
+            balance,
+            "GPipe",
+            chunks=chunks,
+            checkpoint=checkpoint,
+            schedule=schedule,
+            virtual_stages=virtual_stages,
+            track_memory=track_memory,
+            deferred_batch_norm=deferred_batch_norm,
+            input_batch_dims=input_batch_dims,
+            output_batch_dims=output_batch_dims,
+        )
         if isinstance(module, nn.Sequential) and has_skippables(module):
-            # NOTE: so each skip goes straight to the stage popping it.
-            module = skip_stages(module, balance)
-        self.checkpoint = checkpoint
-        self.chunks = chunks
-        self.input_batch_dims = check_batch_dims(input_batch_dims, "input_batch_dims")
-        self.output_batch_dims = check_batch_dims(output_batch_dims, "output_batch_dims")
-        self.schedule = schedule
-        self.virtual_stages = virtual_stages
-        self.track_memory = track_memory
-        self._schedules: dict[int, Schedule] = {}
+            module = skip_stages(module, balance)  # so each skip goes straight to its reader
         self._fill_drain: dict[int, tuple[Schedule, Schedule, Schedule]] = {}
-        self._last: Step | None = None
-        self._last_schedule: Schedule | None = None
-        self._flow: Stages | None = None
         if isinstance(module, Stages):
-            self._init_stages(module, balance, devices, deferred_batch_norm)
+            self._flow = module
+            self.balance, self.devices = stages_layout(module, balance, devices, virtual_stages)
+            self._schedules: dict[int, Schedule] = {}
+            self._place(module, deferred_batch_norm, routes=Routes(module.dataflow))
             return
-
-        if len(module) == 0 and (balance is None or _empty_list(balance)):
-            balance, devices = [], []  # torchgpipe's empty pipe: the identity, no stage
-        if devices is None:
-            count = None
-            if balance is not None and not isinstance(balance, str):
-                count = len(balance) // virtual_stages
-            devices = ["cpu"] * (count or _default_stage_count(module))
-        # torchgpipe's empty pipe has no stage, so no device to check
-        self.devices = as_devices(devices) if len(module) or devices else []
+        self._flow = None
+        self._schedules = {}
+        balance, self.devices = given_devices(module, balance, devices, virtual_stages)
         if balance is None or isinstance(balance, str):
-            balance = self._find_balance(
-                module, balance or "params", len(self.devices) * virtual_stages, sample, optimizer
+            balance = find_balance(
+                module,
+                balance or "params",
+                len(self.devices) * virtual_stages,
+                sample=sample,
+                optimizer=optimizer,
+                chunks=self.chunks,
+                batch_dims=self.input_batch_dims,
+                kept=lambda: kept_microbatches(self._schedule_for(self.chunks), self.checkpoint),
             )
-        balance = check_balance(module, balance)
-        self.devices = self.devices[: math.ceil(len(balance) / virtual_stages)]  # extras unused
-        stage_count = len(self.devices) * virtual_stages
-        if len(balance) != stage_count:
-            raise _TooFewDevices(
-                f"balance lists {len(balance)} stages but devices lists {len(self.devices)} "
-                f"devices (x {virtual_stages} virtual stages = {stage_count}); give one "
-                "balance entry per stage, or one device per stage"
-            )
-        self.balance = balance
+        self.balance, self.devices = fit_devices(module, balance, self.devices, virtual_stages)
+        self._module = [module]  # kept unregistered: the partitions own the layers
+        self._place(module, deferred_batch_norm)
+
+    def _place(
+        self, model: nn.Sequential | Stages, deferred_batch_norm: bool, routes: Routes | None = None
+    ) -> None:
+        """Put each stage module on its device, sharing tied Parameters, and make the
+        workers' stage set and transport."""
         # Validate the schedule now, not at the first step; it also places the stages.
-        placement = self._schedule_for(self.chunks).placement if balance else ()
+        placement = self._schedule_for(self.chunks).placement if self.balance else ()
+
+        def stage_modules() -> nn.ModuleList | Stages:
+            if isinstance(model, Stages):
+                return model
+            return split_module(model, self.balance)
 
         # Refuse a tensor that two devices cannot share before changing the user's model.
-        TiedParameters(split_module(module, balance), placement, self.devices)
-        if deferred_batch_norm:
-            refuse_reused_batch_norm(module)
-            convert_deferred_batch_norm(module)
-        self._deferred = [m for m in module.modules() if isinstance(m, DeferredBatchNorm)]
-        self._module = [module]  # kept unregistered: the partitions own the layers
-        self.partitions = split_module(module, balance)
+        TiedParameters(stage_modules(), placement, self.devices)
+        self._convert_batch_norm(model, deferred_batch_norm)
+        self.partitions = stage_modules()  # after the conversion: its layers are the new ones
+        self._keep_deferred(self.partitions)
         tied = TiedParameters(self.partitions, placement, self.devices)
         tied.place(self.partitions)
         self._stages = StageSet(
-            list(self.partitions), self.devices, placement, tied=tied if len(tied) else None
-        )
-        self._transport = LocalTransport(placement, self.devices)
-
-    def _init_stages(
-        self,
-        stages: Stages,
-        balance: Any,
-        devices: Sequence[Device] | None,
-        deferred_batch_norm: bool,
-    ) -> None:
-        """The pipe over ``stages``: their balance, devices (unless given) and dataflow."""
-        count, v = len(stages), self.virtual_stages
-        if count == 0:
-            raise ValueError("the Stages hold no stage: split the model into at least one")
-        check_stages_balance(balance, stages.balance)
-        if count % v:
-            raise ValueError(
-                f"{count} stages cannot be spread over devices with virtual_stages={v}: "
-                f"the stage count must be a multiple of {v}"
-            )
-        if devices is None:
-            devices = stages.devices if stages.devices is not None else ["cpu"] * (count // v)
-        self.devices = as_devices(devices)[: count // v]  # extras unused
-        if len(self.devices) * v != count:
-            raise _TooFewDevices(
-                f"the Stages hold {count} stages but devices lists {len(self.devices)} devices "
-                f"(x {v} virtual stages = {len(self.devices) * v}): give one device per "
-                f"{v} stage(s)"
-            )
-        self.balance = list(stages.balance)
-        placement = self._schedule_for(self.chunks).placement
-        TiedParameters(stages, placement, self.devices)  # refuses before changing anything
-        if deferred_batch_norm:
-            refuse_reused_batch_norm(stages)
-            convert_deferred_batch_norm(stages)
-        self._deferred = [m for m in stages.modules() if isinstance(m, DeferredBatchNorm)]
-        self._flow = stages
-        self.partitions = stages
-        tied = TiedParameters(stages, placement, self.devices)
-        tied.place(stages)
-        routes = Routes(stages.dataflow)
-        self._stages = StageSet(
-            list(stages),
+            list(self.partitions),
             self.devices,
             placement,
             routes=routes,
-            balance=stages.balance,
+            balance=self.balance if routes is not None else None,
             tied=tied if len(tied) else None,
         )
         self._transport = LocalTransport(placement, self.devices, routes)
 
     @classmethod
-    def from_plan(cls, module: nn.Sequential, plan: Any) -> GPipe:
+    def from_plan(cls, module: nn.Sequential, plan: PlanOrReport) -> GPipe:
         """The pipe a :func:`gpipe.plan` result describes: stages, chunks, schedule...
 
         Args:
             module: the model that was planned.
             plan: a ``Plan``, or the whole report (its best plan is used).
         """
-        plan = getattr(plan, "best", plan)
-        return cls(module, **plan.pipe_kwargs())
-
-    def _find_balance(
-        self, module: nn.Sequential, how: str, stages: int, sample: Any, optimizer: Any
-    ) -> list[int]:
-        if stages > len(module):
-            raise ValueError(
-                f"more stages ({stages}) than layers ({len(module)}): use at most "
-                f"{len(module)} devices"
-            )
-        if how == "params":
-            return balance_by_params(module, stages)
-        if how not in ("time", "memory"):
-            raise ValueError(
-                f"balance must be a list of layers per stage or one of 'params', 'time', "
-                f"'memory'; got {how!r}"
-            )
-        if sample is None:
-            raise ValueError(
-                f"balance={how!r} measures the model: pass sample=<a mini-batch> as well"
-            )
-        microbatch = scatter(sample, self.chunks, self.input_batch_dims)[0]
-        if how == "time":
-            return balance_by_time(module, microbatch, stages)
-        kept = kept_microbatches(self._schedule_for(self.chunks), self.checkpoint)
-        return balance_by_memory(
-            module, microbatch, stages, optimizer=optimizer, kept_microbatches=kept
-        )
+        chosen = cast("Plan", getattr(plan, "best", plan))
+        return cls(module, **chosen.pipe_kwargs())
 
     # -- nn.Sequential-like access to the user's layers --------------------------------
 
@@ -375,7 +261,7 @@ class GPipe(StepSettings, nn.Module):
         """
         state = self.__dict__.copy()
         del state["_transport"]
-        state["_last"] = state["_last_schedule"] = None
+        state["_last"] = None
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -387,10 +273,9 @@ class GPipe(StepSettings, nn.Module):
     @property
     def timeline(self) -> Timeline:
         """What the last step did: per device, each action's start and end (seconds)."""
-        if self._last is None or self._last_schedule is None:
-            raise RuntimeError("no step has run yet: call pipe(x) or pipe.train_step(...) first")
-        timeline = self._last.timeline(self._last_schedule.name)
-        timeline.transfers = self._transport.transfers(self._last.state.origin_ns)
+        step, schedule = self._last_step()
+        timeline = step.timeline(schedule.name)
+        timeline.transfers = self._transport.transfers(step.state.origin_ns)
         return timeline
 
     @property
@@ -401,9 +286,7 @@ class GPipe(StepSettings, nn.Module):
         With ``track_memory`` on, each step resets each of the pipe's GPUs' peak statistics
         (``torch.cuda.reset_peak_memory_stats``) as it begins; empty when it is off.
         """
-        if self._last is None:
-            raise RuntimeError("no step has run yet: call pipe(x) or pipe.train_step(...) first")
-        return dict(self._last.state.cuda_peaks)
+        return dict(self._last_step()[0].state.cuda_peaks)
 
     def predicted_timeline(self, transfer: float = 0.0) -> Timeline:
         """The simulator's timeline of the last step's schedule, fed its measured costs.
@@ -426,22 +309,7 @@ class GPipe(StepSettings, nn.Module):
         """
         if not transfer >= 0:  # also rejects nan
             raise ValueError(f"transfer must be seconds >= 0, got {transfer!r}")
-        measured = self.timeline
-        schedule = self._last_schedule
-        assert schedule is not None
-        costs = Costs.from_timeline(measured, stages=schedule.stages)
-        skips = skips_from_timeline(measured, self._skip_pairs())
-        predicted = simulate(schedule, dataclasses.replace(costs, transfer=transfer), skips)
-        counted = {
-            (device, event.action): event.memory
-            for device, events in enumerate(measured.events)
-            for event in events
-        }
-        events = [
-            [dataclasses.replace(e, memory=counted.get((device, e.action), 0)) for e in events]
-            for device, events in enumerate(predicted.events)
-        ]
-        return Timeline(events, "s", predicted.schedule, transfers=predicted.transfers)
+        return self._predicted(self.timeline, transfer=transfer)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the input through the pipeline; the output lands on the last device.
@@ -455,32 +323,39 @@ class GPipe(StepSettings, nn.Module):
         input = self._bind(args, kwargs)
         if not self.partitions:
             return _identity(input)
-        microbatches, sizes = self._scatter(input)
+        batch = self._split_checked(input)
         grad = torch.is_grad_enabled()
-        m = len(microbatches)
-        if m not in self._fill_drain:  # the whole schedule, its forwards, its backwards
+        m = batch.microbatches
+        schedule, forwards, backwards = self._fill_drain_for(m)
+        step = self._new_step(schedule, m, len(self.devices), grad=grad, seed=self._seed())
+        self._run(step, forwards, batch.parts)
+        outputs = collect_outputs(step, m)
+        if grad:
+            outputs = PipelineBackward.connect(step, backwards, batch.parts, outputs)
+        return gather(outputs, self.output_batch_dims, sizes=batch.sizes)
+
+    def _fill_drain_for(self, microbatches: int) -> tuple[Schedule, Schedule, Schedule]:
+        """GPipe's fill-drain for ``pipe(x)``: the whole schedule, its forwards, its backwards."""
+        if microbatches not in self._fill_drain:
             whole = make_schedule(
                 "gpipe",
                 len(self.devices),
-                m,
+                microbatches,
                 virtual_stages=self.virtual_stages,
                 placement=self._stages.placement,
             )
-            self._fill_drain[m] = (whole, whole.only([FORWARD]), whole.only([BACKWARD]))
-        schedule, forwards, backwards = self._fill_drain[m]
-        step = self._new_step(m, grad=grad, schedule=schedule)
-        feed(step, microbatches)
-        self._run_committing(step, forwards)
-        outputs = collect_outputs(step, m)
-        if grad:
-            outputs = PipelineBackward.connect(step, backwards, microbatches, outputs)
-        return gather(outputs, self.output_batch_dims, sizes=sizes)
+            self._fill_drain[microbatches] = (
+                whole,
+                whole.only([FORWARD]),
+                whole.only([BACKWARD]),
+            )
+        return self._fill_drain[microbatches]
 
     def train_step(
         self,
         input: Any,
         target: Any,
-        loss_fn: Callable[[Any, Any], torch.Tensor],
+        loss_fn: LossFn,
         *,
         reduction: str = "mean",
         microbatch_weight: Callable[[Any], Any] | None = None,
@@ -520,32 +395,36 @@ class GPipe(StepSettings, nn.Module):
             TypeError: a weight that is not a number or a 0-dim tensor, or a ``loss_fn``
                 that is not callable.
         """
-        check_loss_arguments(loss_fn, reduction, microbatch_weight)
-        if not torch.is_grad_enabled():
-            raise RuntimeError("train_step needs autograd: call it outside torch.no_grad()")
-        check_batch_dims(target_batch_dims, "target_batch_dims")
+        check_train_arguments(loss_fn, reduction, microbatch_weight, target_batch_dims)
         positional = input if self._flow is not None and isinstance(input, tuple) else (input,)
         input = self._bind(positional, kwargs or {}, keywords=kwargs is not None)
         if not self.partitions:  # the empty pipe: the loss of the input itself
             value = loss_fn(input, target)
             value.backward()
             return value.detach()
-        microbatches, sizes = self._scatter(input)
-        total = sum(sizes)
-        target_size = batch_size(target, target_batch_dims, what="target")
-        check_target_size(target_size, total)
-        targets = scatter(target, len(microbatches), target_batch_dims, what="target")
-        weights = microbatch_weights(targets, sizes, reduction, microbatch_weight)
-        if reduction == "mean":
-            weights = normalized(weights, sum(weights))
+        batch = self._split_checked(input)
         last_device = self._stages.device_of(self._stages.last)
-        loss = Loss(loss_fn, [_on(t, last_device) for t in targets], weights)
-        schedule = self._schedule_for(len(microbatches))
-        step = self._new_step(len(microbatches), grad=True, loss=loss, schedule=schedule)
-        feed(step, microbatches)
-        self._run_committing(step, schedule)
-        backward_into_input(step, microbatches)
-        return weighted_total(weights, step.state.losses)
+        loss = weighted_loss(
+            target,
+            target_batch_dims,
+            batch.sizes,
+            loss_fn,
+            reduction,
+            microbatch_weight,
+            last_device,
+        )
+        schedule = self._schedule_for(batch.microbatches)
+        step = self._new_step(
+            schedule,
+            batch.microbatches,
+            len(self.devices),
+            grad=True,
+            seed=self._seed(),
+            loss=loss,
+        )
+        self._run(step, schedule, batch.parts)
+        backward_into_input(step, batch.parts)
+        return weighted_total(loss.weights, step.state.losses)
 
     def close(self) -> None:
         """End the pipe's worker threads now instead of when the pipe is garbage collected.
@@ -582,50 +461,10 @@ class GPipe(StepSettings, nn.Module):
             )
         return args[0]
 
-    def _scatter(self, input: Any) -> tuple[list[Any], list[int]]:
-        """The micro-batches of ``input``, and how many samples each holds."""
+    def _split_checked(self, input: Any) -> Batch:
+        """``input`` cut into micro-batches, once every stage is where the pipe put it."""
         self._check_placement()
-        dims = self.input_batch_dims
-        if self._flow is not None:
-            dims = named_batch_dims(dims, self._flow.dataflow.inputs)
-        microbatches = scatter(input, self.chunks, dims)
-        sizes = microbatch_sizes(batch_size(input, dims), self.chunks)
-        return microbatches, sizes
-
-    def _new_step(
-        self,
-        microbatches: int,
-        *,
-        grad: bool,
-        loss: Loss | None = None,
-        schedule: Schedule,
-    ) -> Step:
-        state = StepState(
-            microbatches,
-            len(self.devices),
-            grad=grad,
-            checkpoint=self.checkpoint if (grad and self.training) else "never",
-            seed=draw_step_seed() if self.training else 0,
-            loss=loss,
-            split_backward=schedule.split_backward,
-            track_memory=self.track_memory,
-        )
-        step = Step(self._stages, self._transport, state)
-        self._last = step
-        self._last_schedule = schedule
-        return step
-
-    def _run_committing(self, step: Step, schedule: Schedule) -> None:
-        """Run ``schedule``; deferred batch norm folds its statistics in if the step succeeds."""
-        with committing(self._deferred):
-            step.run(schedule.actions)
-
-    def _skip_pairs(self) -> list[tuple[int, int]]:
-        """(sending stage, reading stage) of each message between stages that are not
-        neighbours (the pipe's inputs come from the caller, and cost nothing)."""
-        if self._flow is None:
-            return []
-        return [(s, r) for s, r, _ in self._flow.dataflow.skips() if s >= 0]
+        return self._split(input)
 
     def _check_placement(self) -> None:
         tied = self._stages.tied
@@ -642,10 +481,6 @@ class GPipe(StepSettings, nn.Module):
                         f"on {device}: the pipe owns device placement, so don't move its "
                         "layers after wrapping; pass devices=[...] to GPipe instead"
                     )
-
-
-def _on(value: Any, device: torch.device) -> Any:
-    return map_tensors(lambda t: t.to(device), value)
 
 
 def _identity(input: Any) -> Any:

@@ -10,7 +10,7 @@ See docs/distributed.md.
 """
 
 from gpipe.distributed.checkpoint import consolidate, newest_checkpoint
-from gpipe.distributed.faults import PipelineFailure
+from gpipe.distributed.failure import PipelineFailure
 from gpipe.distributed.launch import device, init, spawn
 from gpipe.distributed.pipe import DistributedGPipe
 

@@ -105,7 +105,7 @@ def _shutdown() -> None:
     a failure a receive may still be pending, and destroying would wait for it: then the
     groups are left as they are.
     """
-    from gpipe.distributed.pipe import close_all
+    from gpipe.distributed.guard import close_all
 
     if close_all() and dist.is_initialized():
         dist.destroy_process_group()

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from gpipe.schedule import BACKWARD, WEIGHT, Action, Schedule
 
-__all__ = ["GradientSync", "last_gradient_actions"]
+__all__ = ["GradientSync", "gradient_sync", "last_gradient_actions"]
 
 BUCKET_BYTES = 25 * 2**20  # as DDP's default bucket: large enough to amortize each call
 
@@ -110,3 +110,18 @@ def _buckets(parameters: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
         buckets[-1].append(p)
         size += nbytes
     return buckets
+
+
+def gradient_sync(
+    modules: Callable[[int], torch.nn.Module],
+    stages: Sequence[int],
+    schedule: Schedule,
+    device: int,
+    group: Any,
+) -> GradientSync:
+    """The gradient all-reduces of one step over the replicas, for the ``stages`` on
+    pipeline ``device`` (``modules(stage)`` is a stage's module)."""
+    parameters = {
+        stage: [p for p in modules(stage).parameters() if p.requires_grad] for stage in stages
+    }
+    return GradientSync(parameters, last_gradient_actions(schedule, device), group)

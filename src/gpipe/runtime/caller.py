@@ -30,10 +30,10 @@ def to_stage(microbatch: Any) -> Any:
     return map_tensors(lambda t: t.detach().requires_grad_(t.requires_grad), microbatch)
 
 
-def feed(step: Step, microbatches: list[Any], held: Held | None = None) -> None:
+def feed(step: Step, parts: list[Any], held: Held | None = None) -> None:
     """Hand each micro-batch to the stages that read it (those ``held`` here)."""
     routes = step.stages.routes
-    for i, mb in enumerate(microbatches):
+    for i, mb in enumerate(parts):
         if routes is None:
             step.transport.send((ACTIVATION, 0, i), to_stage(mb))
         else:
@@ -63,11 +63,11 @@ def _input_leaves(microbatch: Any) -> list[torch.Tensor]:
     ]
 
 
-def backward_into_input(step: Step, microbatches: list[Any], held: Held | None = None) -> None:
+def backward_into_input(step: Step, parts: list[Any], held: Held | None = None) -> None:
     """Carry the input gradients on into the caller's tensors (if they want them); an input
     several stages read gets the sum of their gradients."""
     roots, grads = [], []
-    for i, mb in enumerate(microbatches):
+    for i, mb in enumerate(parts):
         if not _input_leaves(mb):
             continue
         received = _input_gradients(step, i, mb, held)
@@ -88,9 +88,7 @@ class PipelineBackward(torch.autograd.Function):
     """
 
     @staticmethod
-    def connect(
-        step: Step, backward: Schedule, microbatches: list[Any], outputs: list[Any]
-    ) -> list[Any]:
+    def connect(step: Step, backward: Schedule, parts: list[Any], outputs: list[Any]) -> list[Any]:
         out_flat = [pytree.tree_flatten(out) for out in outputs]
         differentiable = [
             [
@@ -99,10 +97,10 @@ class PipelineBackward(torch.autograd.Function):
             ]
             for flat, _ in out_flat
         ]
-        inputs = [_input_leaves(mb) for mb in microbatches]
+        inputs = [_input_leaves(mb) for mb in parts]
         masks = [
             [isinstance(leaf, torch.Tensor) and leaf.requires_grad for leaf in leaves(mb)]
-            for mb in microbatches
+            for mb in parts
         ]
         tensors = [t for group in inputs for t in group]
         tensors += [
@@ -114,7 +112,7 @@ class PipelineBackward(torch.autograd.Function):
         # NOTE: a phony input that requires grad makes the outputs require grad even when
         # neither the caller's input nor the passed-through outputs do.
         phony = torch.empty(0, requires_grad=True)
-        meta = (step, backward, microbatches, inputs, masks, differentiable)
+        meta = (step, backward, parts, inputs, masks, differentiable)
         results = iter(PipelineBackward.apply(meta, phony, *tensors))
         connected = []
         for (flat, spec), mask in zip(out_flat, differentiable):
@@ -143,7 +141,7 @@ class PipelineBackward(torch.autograd.Function):
                 "on its worker, outside your graph, so the gradients would silently not "
                 "be differentiable; compute such a term on the plain model"
             )
-        step, backward, microbatches, inputs, masks, differentiable = ctx.meta
+        step, backward, parts, inputs, masks, differentiable = ctx.meta
         retain = _retains_graph()
         if not retain:
             ctx.meta = None  # free the step's saved state once the backward is done
@@ -158,7 +156,7 @@ class PipelineBackward(torch.autograd.Function):
         for i, (group, mask) in enumerate(zip(inputs, masks)):
             if not group:
                 continue
-            received = _input_gradients(step, i, microbatches[i], None)
+            received = _input_gradients(step, i, parts[i], None)
             chosen = [g for g, wanted in zip(received, mask) if wanted]
             input_grads += [
                 None if g is None else g.to(leaf.device) for g, leaf in zip(chosen, group)

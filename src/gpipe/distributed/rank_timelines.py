@@ -1,22 +1,19 @@
-"""A distributed step's timeline: every rank's events on rank 0's clock, and its prediction."""
+"""A distributed step's timeline: every rank's events on rank 0's clock."""
 
 from __future__ import annotations
 
-import dataclasses
-import statistics
-from collections.abc import Sequence
 from typing import Any
 
 import torch.distributed as dist
 
-from gpipe.analysis import Costs, Event, Timeline, Transfer, simulate, skips_from_timeline
+from gpipe.analysis import Event, Timeline, Transfer
 from gpipe.distributed.executor import Executor
 from gpipe.distributed.json_collectives import all_gather_json
 from gpipe.runtime.step import Step
 from gpipe.runtime.transport import ACTIVATION, sending_stage
 from gpipe.schedule import BACKWARD, FORWARD, Action, Schedule
 
-__all__ = ["gather_timeline", "predict"]
+__all__ = ["gather_timeline"]
 
 
 def gather_timeline(
@@ -39,15 +36,16 @@ def gather_timeline(
         return (ns - offset_ns) / 1e9
 
     step.state.settle()  # NOTE: GPU actions are timed by CUDA events, read only now
-    transport.settle()  # and so are the messages NCCL carried
+    log = transport.transfer_log
+    log.settle()  # and so are the messages NCCL carried
     origin = seconds(step.state.origin_ns)
     mine = {
         "events": [
             (str(e.action), origin + e.start, origin + e.end, e.memory)
             for e in step.state.events[device]
         ],
-        "sent": [(tag, peer, seconds(ns)) for tag, peer, ns in transport.sent],
-        "received": [(t.tag, t.source, seconds(t.done_ns), t.nbytes) for t in transport.transfers],
+        "sent": [(tag, peer, seconds(ns)) for tag, peer, ns in log.sent],
+        "received": [(t.tag, t.source, seconds(t.done_ns), t.nbytes) for t in log.received],
     }
     try:
         gathered = all_gather_json(mine, group=group)  # NOTE: JSON, so nothing is unpickled
@@ -89,33 +87,3 @@ def gather_timeline(
                 )
             )
     return Timeline(events, "s", schedule.name, transfers=transfers, processes=True)
-
-
-def predict(
-    measured: Timeline,
-    schedule: Schedule,
-    link: tuple[float, float],
-    skips: Sequence[tuple[int, int]] = (),
-) -> Timeline:
-    """The simulator's account of ``measured``: its median action times, and each message
-    costing the link's latency plus its bytes over the link's bandwidth. ``skips``: the
-    (sending, reading) stages of a dataflow's messages between stages that are not
-    neighbours, each its own message."""
-    sizes = [0.0] * schedule.stages  # what each stage receives, median over the step
-    for stage in range(1, schedule.stages):
-        came = [
-            t.nbytes
-            for t in measured.transfers
-            if t.kind == FORWARD and t.stage == stage and t.sender in (None, stage - 1)
-        ]
-        sizes[stage] = statistics.median(came) if came else 0.0
-    latency, bandwidth = link
-    costs = dataclasses.replace(
-        Costs.from_timeline(measured, stages=schedule.stages),
-        latency=latency,
-        bandwidth=bandwidth,
-        gradient_bytes=sizes,
-    )
-    predicted = simulate(schedule, costs, skips_from_timeline(measured, skips))
-    predicted.unit, predicted.processes = "s", True
-    return predicted

@@ -1,51 +1,19 @@
-"""The step protocol: what every rank agrees on before a step, and the program it runs.
+"""Each rank's programs: its part of a schedule lowered to communication
+(:mod:`gpipe.schedule.lowering`), made and checked under NCCL's rules once per schedule.
 
-Before each step the first stage's rank broadcasts a header: the micro-batch count, the
-batch size, a code of the input's shapes (what every message's shapes follow from), the
-step's seed and a code of the settings every rank must share. Each rank then runs its part
-of the schedule lowered to communication (:mod:`gpipe.schedule.lowering`), made and checked
-once per schedule.
+What every rank agrees on before a step (the header) is in :mod:`gpipe.distributed.header`.
 """
 
 from __future__ import annotations
 
-import functools
-import zlib
 from typing import Any
-
-import torch
 
 from gpipe.runtime.routes import Routes
 from gpipe.schedule import Schedule
 from gpipe.schedule.lowering import Batch, Flow, lower
 from gpipe.schedule.validate import check_lowered
-from gpipe.structure import leaves
 
-__all__ = ["Programs", "settings_code", "shapes_code"]
-
-
-def shapes_code(microbatches: list[Any]) -> int:
-    """A number standing for the micro-batches' structure, shapes and dtypes: what the
-    shapes of every message of a step follow from."""
-    described = [
-        (tuple(leaf.shape), str(leaf.dtype), leaf.requires_grad)
-        if isinstance(leaf, torch.Tensor)
-        else repr(leaf)
-        for leaf in leaves(microbatches)
-    ]
-    return zlib.crc32(repr(described).encode())
-
-
-def settings_code(schedule: str | Schedule, checkpoint: str, chunks: int) -> int:
-    """A number standing for the settings every rank's step must share."""
-    named = schedule if isinstance(schedule, str) else _described(schedule)
-    return zlib.crc32(f"{named}|{checkpoint}|{chunks}".encode())
-
-
-@functools.lru_cache(maxsize=4)
-def _described(schedule: Schedule) -> str:
-    """A custom schedule as text (long: made once per schedule, not per step)."""
-    return repr(schedule.actions)
+__all__ = ["Programs"]
 
 
 class Programs:

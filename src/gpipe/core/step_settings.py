@@ -8,7 +8,7 @@ runs a stale one.
 from __future__ import annotations
 
 from gpipe.arguments import check_chunks
-from gpipe.checkpoint import check_checkpoint
+from gpipe.recompute import check_checkpoint
 from gpipe.schedule import Schedule, check_schedule_type, check_virtual_stages, schedule_for
 
 __all__ = ["StepSettings"]

@@ -1,0 +1,201 @@
+"""A distributed pipe's failure wiring: its fault channel, waits that wake on a failure, and
+a build or a step that fails on any rank failing on every rank, all naming the same cause.
+
+The channel exists before the pipe's first collective, so a rank that fails while building
+(a bad ``init_fn``, out of memory) ends every rank at once, naming itself, instead of
+leaving the others in a collective until the timeout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from gpipe.distributed.failure import Failure, PipelineFailure, brief
+from gpipe.distributed.fault_channel import FaultChannel
+from gpipe.distributed.mesh import Groups, collective_device, everyone, retire, retire_everyone
+from gpipe.distributed.waiting import wait_for
+from gpipe.runtime.state import StepState
+
+__all__ = ["PipeGuard", "close_all"]
+
+_COUNTER = itertools.count()
+_OPEN: weakref.WeakSet[PipeGuard] = weakref.WeakSet()
+
+
+def close_all() -> bool:
+    """Stop every open pipe's threads; whether none of them saw a failure.
+
+    A pipe that failed may have threads still waiting in gloo: its groups are retired, so
+    they end now, not as the interpreter finalizes (see mesh.end).
+    """
+    healthy = True
+    for guard in list(_OPEN):
+        if guard.transport is None or guard.transport.failure is None:
+            guard.close()
+        else:
+            healthy = False
+            guard.release()
+    return healthy
+
+
+class PipeGuard:
+    """The fault channel of one pipe and everything a failure must end.
+
+    The pipe hands it what it builds as it builds it (``groups``, ``tie_groups``,
+    ``transport``) and each step's state, so a failure heard on the channel stops the
+    step's workers and wakes its transport, and :meth:`release` ends all of it.
+
+    Args:
+        timeout: seconds a rank waits for the others before declaring one lost.
+
+    Raises:
+        RuntimeError: not every rank began building a pipe within ``timeout``.
+    """
+
+    def __init__(self, timeout: float) -> None:
+        self.rank = dist.get_rank()
+        self.world = dist.get_world_size()
+        # Making a group waits for every rank, and nothing could wake a rank waiting there:
+        # so first, before any check that could fail on one rank alone.
+        try:
+            self.everyone, token = everyone(timeout)
+        except RuntimeError as error:  # DistStoreError and gloo's errors alike
+            raise RuntimeError(
+                f"gpipe: not every rank began building the pipe within timeout={timeout:g} s "
+                f"(a rank died, hung, or does not construct DistributedGPipe): {brief(error)}"
+            ) from error
+        self.groups: Groups | None = None
+        self.tie_groups: list[Any] = []
+        self.transport: Any = None  # the Executor, once built
+        self.state: StepState | None = None  # the step under way
+        self._waits = 0  # collectives this rank waits in now (see progress)
+        # The default store is the one every rank already shares (torchrun's agent's or
+        # rank 0's); torch offers no public accessor for it.
+        store = dist.distributed_c10d._get_default_store()
+        self.faults = FaultChannel(
+            store,
+            f"gpipe/pipe{next(_COUNTER)}",
+            self.rank,
+            self._on_failure,
+            self.world,
+            token=token,
+        )
+        self.faults.progress = self._progress
+        _OPEN.add(self)
+
+    @property
+    def failure(self) -> Failure | None:
+        """The failure this pipe heard of, if any."""
+        if self.transport is not None:
+            return self.transport.failure
+        return self.faults.failure
+
+    # -- building and stepping ---------------------------------------------------------
+
+    @contextlib.contextmanager
+    def building(self) -> Iterator[None]:
+        """Build under the channel: a rank that fails says so, and every rank ends."""
+        try:
+            with self.faults.busy():
+                yield
+        except BaseException as error:
+            if not isinstance(error, PipelineFailure):
+                first = next(iter(str(error).splitlines()), "")
+                self.faults.publish(
+                    Failure(self.rank, f"{type(error).__name__} while building the pipe: {first}")
+                )
+            self.faults.acknowledge(self.world)
+            self.faults.close()
+            # A collective of construction may still be posted here (the others' barrier
+            # when this rank failed, or ours when another did).
+            if self.groups is not None:
+                retire(self.groups, self.tie_groups)
+            retire_everyone(self.everyone)
+            _OPEN.discard(self)
+            raise
+
+    @contextlib.contextmanager
+    def stepping(self, ran: Callable[[], bool]) -> Iterator[None]:
+        """Run a step (or a save, a load) so that a failure on any rank fails it on every
+        rank. ``ran()`` says whether this rank's actions ran: an error raised on this rank
+        alone before them (a bad target given to the last rank) must be told to the
+        others, who wait for its messages; one after them is this rank's own."""
+        assert self.groups is not None
+        if self.groups.retired:
+            raise RuntimeError(
+                "this pipe's process groups were ended after a step of another pipe over "
+                "them failed: build a new DistributedGPipe"
+            )
+        try:
+            with self.faults.busy():
+                yield
+        except BaseException as error:
+            if self.transport.failure is None and not ran():
+                self.transport.abort(error)
+            if self.transport.failure is not None or isinstance(error, PipelineFailure):
+                self.faults.acknowledge(self.world)
+                self.release()
+            raise
+
+    def fail(self, reason: str) -> PipelineFailure:
+        """Fail the step on every rank for ``reason`` (found on this rank); the error to raise."""
+        return PipelineFailure(self.transport.fail(Failure(self.rank, reason)), self.rank)
+
+    # -- waiting -----------------------------------------------------------------------
+
+    def wait(self, work: Any) -> None:
+        """Wait for a collective's ``work``, or raise once any rank failed."""
+        self._waits += 1
+        try:
+            wait_for(work, self.faults, lambda: self.failure, self.rank)
+        finally:
+            self._waits -= 1
+
+    def summed(self, scalar: torch.Tensor, group: Any) -> torch.Tensor:
+        """``scalar`` summed over ``group``'s ranks, on the device its backend takes (a CUDA
+        tensor on NCCL), back on the CPU."""
+        here = scalar.to(collective_device(group))
+        self.wait(dist.all_reduce(here, group=group, async_op=True))
+        return here.cpu()
+
+    # -- ending ------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop the channel's and the transport's threads (a healthy pipe's end)."""
+        self.faults.close()
+        if self.transport is not None:  # none if building the pipe failed
+            self.transport.close()
+        _OPEN.discard(self)
+
+    def release(self) -> None:
+        """After a failure: end everything the pipe made (threads, process groups), so a
+        job that builds a new pipe and retries leaks nothing (see mesh.retire)."""
+        self.faults.close()
+        if self.groups is not None:
+            retire(self.groups, self.tie_groups)
+        if self.transport is not None:
+            self.transport.release()
+        _OPEN.discard(self)
+
+    # -- what the channel's threads call -----------------------------------------------
+
+    def _progress(self) -> dict[str, Any]:
+        """How far this rank got, for the channel's beats (read from their thread)."""
+        transport = self.transport
+        done = 0 if transport is None else transport.done
+        waiting = self._waits > 0 or (transport is not None and transport.waiting)
+        return {"done": done, "waiting": waiting, "doing": "a step" if transport else "building"}
+
+    def _on_failure(self, failure: Failure) -> None:
+        state = self.state
+        if state is not None:
+            state.failed = True  # the worker stops before its next action
+        if self.transport is not None:  # none yet while the pipe is being built
+            self.transport.fail(failure)
