@@ -43,7 +43,7 @@ from torch.nn import functional as F
 
 import gpipe.distributed as gd
 from gpipe.analysis import Event, Timeline
-from gpipe.models import latency, sleep_stages
+from gpipe.models import sleep, sleep_stages
 from gpipe.schedule import BACKWARD, FORWARD, Action, dependencies, make_schedule
 from latency_distributed import SCHEDULES, torch_step
 
@@ -60,7 +60,7 @@ _STEP_KEYS = (
 
 
 class _NotingClock:
-    """Stands in for the ``time`` module of gpipe.models.latency: notes every sleep.
+    """Stands in for the ``time`` module of gpipe.models.sleep: notes every sleep.
 
     NOTE: the sleep layers call ``time.sleep`` through their module's global ``time``, so
     replacing that global notes the sleeps of both runtimes alike, with no change to the
@@ -77,7 +77,7 @@ class _NotingClock:
 
 
 _CLOCK = _NotingClock()
-latency.time = _CLOCK  # type: ignore[attr-defined]
+sleep.time = _CLOCK  # type: ignore[attr-defined]
 
 
 def _timed(step: Callable[[], None], steps: int, parts: Callable[[], Any]) -> list[Any]:

@@ -39,7 +39,7 @@ threads (``beyond_bare_ms``) is its own.
 Serial (``--serial``): the runtime's own CPU time per action, without threads. K stages
 of empty SleepLayers (no sleep) on K "cpu" devices run as one lane, as the stages of one GPU
 do: every device's actions on the calling thread in one dependency order (see
-``gpipe.runtime.stages.lanes_of``), so no hand-off waits and no thread competes. Beside it,
+``gpipe.runtime.stage_set.lanes_of``), so no hand-off waits and no thread competes. Beside it,
 the same stages on a thread each (as CPU stages run, and as a GPU's stages ran before they
 shared a lane): with no sleep to overlap, this is work that only launches, like a GPU
 stage's, and the threads only compete for the GIL.

@@ -30,8 +30,8 @@ from torch import nn
 
 from gpipe import GPipe
 from gpipe.models import delay
+from gpipe.planning.plan_report import Plan
 from gpipe.planning.planner import plan
-from gpipe.planning.report import Plan
 from gpipe.units import parse_bytes
 
 

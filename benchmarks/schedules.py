@@ -43,7 +43,7 @@ import torch
 import torch_reference
 from gpipe import GPipe
 from gpipe.analysis import Costs, Timeline, activation_peaks, search, simulate
-from gpipe.balance.profiler import Profile, profile
+from gpipe.balance import Profile, profile
 from gpipe.models import sleep_stages
 from gpipe.schedule import Schedule, make_schedule
 

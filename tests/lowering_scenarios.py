@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 import gpipe.distributed as gd
-import gpipe.distributed.protocol as protocol
+import gpipe.distributed.programs as protocol
 from dist_scenarios import WIDTH, _diff, mlp
 from gpipe.distributed.posting import POSTER
 from gpipe.schedule import Action, Schedule

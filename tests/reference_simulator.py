@@ -17,7 +17,7 @@ from typing import Any
 
 from gpipe.analysis.simulator import Costs
 from gpipe.analysis.timeline import Event, Timeline, Transfer
-from gpipe.checkpoint import checkpointed
+from gpipe.recompute import checkpointed
 from gpipe.schedule import (
     BACKWARD,
     FORWARD,

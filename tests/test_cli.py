@@ -15,7 +15,7 @@ import gpipe.schedule
 from gpipe.analysis import bubble_formula
 from gpipe.cli import build_parser, main
 from gpipe.cli.plan import why_this_plan
-from gpipe.planning.report import Plan, PlanReport, Rejection
+from gpipe.planning.plan_report import Plan, PlanReport, Rejection
 
 
 def result_fields(output: str) -> dict[str, str]:

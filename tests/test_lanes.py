@@ -17,7 +17,7 @@ from torch.testing import assert_close
 
 from conftest import custom_schedules, make_mlp, reference_step
 from gpipe import GPipe
-from gpipe.runtime.stages import lanes_of
+from gpipe.runtime.stage_set import lanes_of
 from gpipe.schedule import Action, Schedule, dependencies, from_csv, in_one_order, make_schedule
 from route_models import unet
 from test_randomness import TARGET, X, _expected, _model

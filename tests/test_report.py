@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from gpipe.bench.progress import progress
+from gpipe.bench.turns import CpuTimes, Load, in_turns, judge
 from gpipe.cli import main
-from gpipe.report.progress import progress
-from gpipe.report.turns import CpuTimes, Load, in_turns, judge
 
 HAS_DISTRIBUTED = importlib.util.find_spec("gpipe.distributed") is not None
 

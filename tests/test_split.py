@@ -15,7 +15,7 @@ from torch.utils._pytree import tree_leaves
 
 import gpipe
 from gpipe.dataflow import INPUT, Stages
-from gpipe.models.latency import SleepLayer
+from gpipe.models.sleep import SleepLayer
 from gpipe.split import SplitStage
 from split_models import (
     Gate,

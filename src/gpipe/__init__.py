@@ -24,12 +24,13 @@ if TYPE_CHECKING:
         balance_costs,
         balance_weighted,
     )
-    from gpipe.balance.profiler import Profile, profile
+    from gpipe.balance.layer_profile import Profile
+    from gpipe.balance.profiler import profile
     from gpipe.dataflow import Stages
     from gpipe.microbatch import gather, scatter
     from gpipe.pipe import GPipe
+    from gpipe.planning.plan_report import Plan, PlanReport
     from gpipe.planning.planner import plan
-    from gpipe.planning.report import Plan, PlanReport
     from gpipe.split import split
 
 __version__ = "0.1.0"
@@ -43,10 +44,10 @@ _LAZY = {
     "balance_by_time": "gpipe.balance",
     "balance_costs": "gpipe.balance",
     "balance_weighted": "gpipe.balance",
-    "Profile": "gpipe.balance.profiler",
+    "Profile": "gpipe.balance.layer_profile",
     "profile": "gpipe.balance.profiler",
-    "Plan": "gpipe.planning.report",
-    "PlanReport": "gpipe.planning.report",
+    "Plan": "gpipe.planning.plan_report",
+    "PlanReport": "gpipe.planning.plan_report",
     "plan": "gpipe.planning.planner",
     "Stages": "gpipe.dataflow",
     "split": "gpipe.split",

@@ -22,7 +22,7 @@ from itertools import chain
 import numpy as np
 
 from gpipe.analysis.columns import ActionColumns
-from gpipe.checkpoint import checkpointed
+from gpipe.recompute import checkpointed
 from gpipe.schedule import BACKWARD, FORWARD, KINDS, Schedule
 
 __all__ = ["activation_peaks", "kept_microbatches", "memory_columns", "memory_per_action"]

@@ -15,7 +15,7 @@ import sys
 from collections.abc import Sequence
 
 from gpipe import __version__
-from gpipe.cli.arguments import CommandError
+from gpipe.cli.options import CommandError
 
 __all__ = ["build_parser", "main"]
 
@@ -24,7 +24,7 @@ _COMMANDS = {
     "report": "gpipe.cli.report",
     "plan": "gpipe.cli.plan",
     "simulate": "gpipe.cli.simulate",
-    "bubble": "gpipe.cli.bubble",
+    "bubble": "gpipe.cli.bubble_table",
 }
 
 

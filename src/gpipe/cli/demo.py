@@ -6,14 +6,14 @@ import argparse
 import importlib.util
 from pathlib import Path
 
-from gpipe.checkpoint import CHECKPOINT_MODES
-from gpipe.cli.arguments import (
+from gpipe.cli.options import (
     CommandError,
     ensure_writable,
     positive_int,
     schedule_names,
     seed,
 )
+from gpipe.recompute import CHECKPOINT_MODES
 
 __all__ = ["add_arguments", "run"]
 

@@ -14,8 +14,7 @@ import os
 import sys
 from typing import TYPE_CHECKING, Any
 
-from gpipe.checkpoint import CHECKPOINT_MODES
-from gpipe.cli.arguments import (
+from gpipe.cli.options import (
     CommandError,
     choices_list,
     positive_int,
@@ -24,12 +23,13 @@ from gpipe.cli.arguments import (
     shape,
     words,
 )
+from gpipe.recompute import CHECKPOINT_MODES
 from gpipe.units import parse_bytes
 
 if TYPE_CHECKING:
     from torch import nn
 
-    from gpipe.planning.report import Plan, PlanReport
+    from gpipe.planning.plan_report import Plan, PlanReport
 
 __all__ = ["add_arguments", "run", "why_this_plan"]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from gpipe.cli.arguments import CommandError, ensure_writable, positive_ints
+from gpipe.cli.options import CommandError, ensure_writable, positive_ints
 
 __all__ = ["add_arguments", "run"]
 
@@ -40,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
         CommandError: an unknown section, or an output folder that cannot be written.
     """
     from gpipe.report.build import write_report
-    from gpipe.report.settings import ReportSettings
+    from gpipe.report.config import ReportSettings
 
     ensure_writable(args.out)
     settings = ReportSettings(out=args.out, quick=args.quick, sections=tuple(args.sections))

@@ -6,7 +6,7 @@ import argparse
 import time
 from typing import Any
 
-from gpipe.cli.arguments import (
+from gpipe.cli.options import (
     CommandError,
     costs,
     non_negative_float,
@@ -17,12 +17,12 @@ from gpipe.cli.arguments import (
 
 __all__ = ["add_arguments", "run"]
 
-# NOTE: the grid of K=128, M=1024 is 2.8 MB of text and takes 16 s to lay out.
+# NOTE: a larger step x device grid is too big to read and slow to lay out; --grid forces it.
 _GRID_ACTIONS = 2000
-# NOTE: the simulator runs ~400k actions a second and keeps ~100 bytes per action: more than
-# this would take minutes and gigabytes, so it is refused up front instead of seeming to hang.
+# NOTE: the simulator's time and memory grow with the actions: more than this would take
+# minutes and gigabytes, so it is refused up front instead of seeming to hang.
 MAX_ACTIONS = 4_000_000
-# "auto" builds and simulates a few dozen schedules, each at ~200k actions a second.
+# "auto" builds and simulates a few dozen schedules, so its limit is lower.
 MAX_SEARCH_ACTIONS = 100_000
 
 

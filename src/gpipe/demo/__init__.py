@@ -6,7 +6,7 @@ simulator's prediction, each stage's busy time and memory, a sample of generated
 the step time of plain training on the same model and micro-batches.
 """
 
-from gpipe.demo.settings import DemoSettings
+from gpipe.demo.recipe import DemoSettings
 from gpipe.demo.summary import run_demo
 
 __all__ = ["DemoSettings", "run_demo"]

@@ -17,10 +17,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from gpipe.demo.settings import Corpus, DemoSettings
+from gpipe.bench.turns import LoadMeter, Verdict, judge
+from gpipe.demo.recipe import Corpus, DemoSettings
 from gpipe.demo.training import build_model, virtual_stages
 from gpipe.models import gpt_loss
-from gpipe.report.turns import LoadMeter, Verdict, judge
 
 __all__ = ["Comparison", "compare", "comparison_rows"]
 

@@ -7,10 +7,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gpipe.analysis import BUBBLE_FORMULAS, bubble_formula
+from gpipe.bench.markdown import Document
 from gpipe.demo.comparison import Comparison, comparison_rows
-from gpipe.demo.settings import PROMPT, DemoSettings
+from gpipe.demo.recipe import PROMPT, DemoSettings
 from gpipe.demo.training import Run, virtual_stages
-from gpipe.report.markdown import Document
 from gpipe.units import format_bytes
 
 __all__ = ["Outcome", "write_files"]

@@ -10,10 +10,12 @@ import time
 import torch
 
 from gpipe.analysis import BUBBLE_FORMULAS, bubble_formula
+from gpipe.bench.progress import progress
+from gpipe.bench.sparkline import sparkline
 from gpipe.demo.comparison import compare, comparison_rows
 from gpipe.demo.files import Outcome, write_files
-from gpipe.demo.prediction import partition
-from gpipe.demo.settings import PROMPT, Corpus, DemoSettings, check
+from gpipe.demo.forecast import partition
+from gpipe.demo.recipe import PROMPT, Corpus, DemoSettings, check
 from gpipe.demo.training import (
     build_model,
     train_distributed,
@@ -22,8 +24,6 @@ from gpipe.demo.training import (
     virtual_stages,
 )
 from gpipe.models import generate
-from gpipe.report.progress import progress
-from gpipe.report.sparkline import sparkline
 from gpipe.units import format_bytes
 
 __all__ = ["run_demo"]
@@ -68,7 +68,7 @@ def run_demo(settings: DemoSettings) -> Outcome:
     model.load_state_dict(run.state)
     end_loss = validation_loss(model, corpus)
     # NOTE: one thread: a token at a time is too small to share, and after training in
-    # several processes more threads than free cores made sampling 8-13x slower.
+    # several processes more threads than free cores make sampling many times slower.
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

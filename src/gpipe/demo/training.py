@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from gpipe.analysis import Timeline
-from gpipe.demo.settings import Corpus, DemoSettings, learning_rate
+from gpipe.demo.recipe import Corpus, DemoSettings, learning_rate
 from gpipe.models import gpt, gpt_loss
 
 __all__ = ["Run", "build_model", "train_distributed", "train_local", "validation_loss"]

@@ -7,12 +7,12 @@ import copy
 import torch
 from torch import nn
 
+from gpipe.bench.markdown import Document
 from gpipe.data import shakespeare
 from gpipe.models import CharTokenizer, GPTConfig, gpt, gpt_loss, windows
 from gpipe.pipe import GPipe
+from gpipe.report.config import ReportSettings, SectionResult
 from gpipe.report.figures import COLORS, new_figure, save
-from gpipe.report.markdown import Document
-from gpipe.report.settings import ReportSettings, SectionResult
 
 __all__ = ["TITLE", "run"]
 

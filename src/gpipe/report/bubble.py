@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from gpipe.analysis import Costs, simulate
+from gpipe.bench.markdown import Document
+from gpipe.report.config import ReportSettings, SectionResult
 from gpipe.report.figures import COLORS, new_figure, save
 from gpipe.report.latency import sleep_pipeline
-from gpipe.report.markdown import Document
-from gpipe.report.settings import ReportSettings, SectionResult
 from gpipe.schedule import make_schedule
 
 __all__ = ["TITLE", "run"]

@@ -10,6 +10,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from gpipe.bench.markdown import Document
+from gpipe.bench.progress import progress
 from gpipe.report import (
     accumulation,
     bubble,
@@ -20,9 +22,7 @@ from gpipe.report import (
     scale,
     schedules,
 )
-from gpipe.report.markdown import Document
-from gpipe.report.progress import progress
-from gpipe.report.settings import ReportSettings, SectionResult
+from gpipe.report.config import ReportSettings, SectionResult
 
 __all__ = ["SECTIONS", "write_report"]
 

@@ -26,10 +26,10 @@ from torch.overrides import TorchFunctionMode
 
 from gpipe.analysis import activation_peaks
 from gpipe.balance import Profile
-from gpipe.balance.profiler import optimizer_state_factor
+from gpipe.balance.optimizer_state import optimizer_state_factor
+from gpipe.bench.measure import PeakMemory
 from gpipe.models import GPTConfig, gpt, gpt_loss
 from gpipe.pipe import GPipe
-from gpipe.report.measure import PeakMemory
 from gpipe.schedule import make_schedule
 
 __all__ = [

@@ -8,9 +8,10 @@ beside the formula K / (1 + (K - 1) / M).
 
 from __future__ import annotations
 
+from gpipe.bench.markdown import Document
 from gpipe.models import GPTConfig
+from gpipe.report.config import ReportSettings, SectionResult
 from gpipe.report.figures import COLORS, new_figure, save
-from gpipe.report.markdown import Document
 from gpipe.report.model_size import (
     Fit,
     MemoryCheck,
@@ -18,7 +19,6 @@ from gpipe.report.model_size import (
     largest_model,
     transformer_profile,
 )
-from gpipe.report.settings import ReportSettings, SectionResult
 from gpipe.report.speedup import formula, measure_speedups, simulated_speedup
 from gpipe.units import format_bytes
 

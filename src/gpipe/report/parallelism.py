@@ -10,11 +10,11 @@ from typing import Any
 
 import torch
 
+from gpipe.bench.markdown import Document
+from gpipe.bench.measure import PeakMemory
+from gpipe.bench.turns import Load, host_load, judge
+from gpipe.report.config import ReportSettings, SectionResult
 from gpipe.report.figures import COLORS, new_figure, save
-from gpipe.report.markdown import Document
-from gpipe.report.measure import PeakMemory
-from gpipe.report.settings import ReportSettings, SectionResult
-from gpipe.report.turns import Load, host_load, judge
 
 __all__ = ["TITLE", "run"]
 
@@ -163,7 +163,7 @@ def _rank(job: _Job) -> dict[str, Any]:
 
     import gpipe.distributed as gd
     from gpipe.balance import balance_by_params
-    from gpipe.demo.settings import Corpus, DemoSettings
+    from gpipe.demo.recipe import Corpus, DemoSettings
     from gpipe.models import gpt, gpt_loss
 
     rank, world = gd.init()

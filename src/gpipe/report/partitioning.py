@@ -14,12 +14,12 @@ from torch.nn import functional as F
 
 from gpipe.analysis import Costs, Timeline, simulate
 from gpipe.balance import balance_by_memory, balance_costs
+from gpipe.bench.markdown import Document
+from gpipe.bench.measure import layer_times
+from gpipe.bench.turns import LoadMeter, judge
 from gpipe.pipe import GPipe
+from gpipe.report.config import ReportSettings, SectionResult
 from gpipe.report.figures import COLORS, new_figure, save
-from gpipe.report.markdown import Document
-from gpipe.report.measure import layer_times
-from gpipe.report.settings import ReportSettings, SectionResult
-from gpipe.report.turns import LoadMeter, judge
 from gpipe.schedule import make_schedule
 from gpipe.units import format_bytes
 

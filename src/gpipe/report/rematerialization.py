@@ -11,13 +11,13 @@ from torch.nn import functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 from gpipe.balance import profile
+from gpipe.bench.markdown import Document
+from gpipe.bench.measure import peak_rss_during
+from gpipe.bench.turns import Verdict, in_turns, judge
 from gpipe.models import mlp
 from gpipe.pipe import GPipe
+from gpipe.report.config import ReportSettings, SectionResult
 from gpipe.report.figures import COLORS, new_figure, save
-from gpipe.report.markdown import Document
-from gpipe.report.measure import peak_rss_during
-from gpipe.report.settings import ReportSettings, SectionResult
-from gpipe.report.turns import Verdict, in_turns, judge
 
 __all__ = ["TITLE", "run"]
 

@@ -4,11 +4,11 @@ simulated beyond it."""
 from __future__ import annotations
 
 from gpipe.analysis import Costs, simulate
+from gpipe.bench.markdown import Document
+from gpipe.bench.turns import LoadMeter, spread
+from gpipe.report.config import ReportSettings, SectionResult
 from gpipe.report.figures import new_figure, save
 from gpipe.report.latency import sleep_pipeline
-from gpipe.report.markdown import Document
-from gpipe.report.settings import ReportSettings, SectionResult
-from gpipe.report.turns import LoadMeter, spread
 from gpipe.schedule import make_schedule
 
 __all__ = ["TITLE", "run"]

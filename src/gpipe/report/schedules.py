@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from gpipe.analysis import Costs, simulate
+from gpipe.bench.markdown import Document
+from gpipe.report.config import ReportSettings, SectionResult
 from gpipe.report.latency import WIDTH, sleep_pipeline
-from gpipe.report.markdown import Document
-from gpipe.report.settings import ReportSettings, SectionResult
 from gpipe.schedule import make_schedule
 from gpipe.units import format_bytes
 

@@ -10,7 +10,7 @@ import torch
 
 from gpipe.analysis import Timeline
 from gpipe.runtime.context import CallerContext
-from gpipe.runtime.stages import StageSet
+from gpipe.runtime.stage_set import StageSet
 from gpipe.runtime.state import StepState
 from gpipe.runtime.threads import Job
 from gpipe.runtime.transport import Aborted, Transport
@@ -63,7 +63,7 @@ class Step:
         """Run each device's action list concurrently; re-raise the first failure.
 
         Each lane (a device, or every device on one GPU: see
-        :func:`~gpipe.runtime.stages.lanes_of`) runs on a thread: the first with actions on
+        :func:`~gpipe.runtime.stage_set.lanes_of`) runs on a thread: the first with actions on
         the calling thread, every other on its own (kept by ``stages.threads`` from step to
         step), all under the calling thread's state (autocast, modes, saved-tensor hooks:
         see :class:`~gpipe.runtime.context.CallerContext`), captured here for this run. NOTE:

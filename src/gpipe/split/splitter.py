@@ -10,7 +10,7 @@ from torch import nn
 
 from gpipe.dataflow import Stages
 from gpipe.split.cuts import cut_at_points, cut_by_balance
-from gpipe.split.measure import measured_balance
+from gpipe.split.measured_cuts import measured_balance
 from gpipe.split.stage import build_stages
 from gpipe.split.trace import LeafSpec, trace
 

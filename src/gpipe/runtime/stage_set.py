@@ -70,13 +70,13 @@ class StageSet:
     # Whether a stage's forward writes into its input tensors (an in-place op on the input or
     # a view of it, in any layer), per (stage, training mode): such a stage gets a copy of its
     # input. Learned from the first forward, which runs on a copy to be safe (see
-    # StageWorker.forward).
+    # gpipe.runtime.input_writes).
     copies_input: dict[tuple[int, bool], bool] = field(default_factory=dict)
     # How each layer draws random numbers (per layer key and training mode), learned as the
     # layers run: which run on their own random stream (see gpipe.randomness).
     streams: Streams = field(init=False)
     # Bytes a forward keeps for backward, per stage, training mode, input and target shapes
-    # and autocast: counted once per key (see StageWorker._forward_kept).
+    # and autocast: counted once per key (see gpipe.runtime.stage_call.call_stage_counted).
     saved_bytes: dict[tuple[Any, ...], int] = field(default_factory=dict)
     # A thread per device but the caller's, kept from step to step (see DeviceThreads).
     threads: DeviceThreads = field(default_factory=DeviceThreads, repr=False, compare=False)

@@ -14,7 +14,7 @@ class ReportSettings:
 
     Attributes:
         out: the folder for ``report.md`` and its pictures.
-        quick: fewer points and repeats (under two minutes on 2 cores), same sections.
+        quick: fewer points and repeats (a few minutes), same sections.
         sections: which sections to run, by number (1-8); all by default.
     """
 

@@ -16,10 +16,10 @@ from torch import nn
 
 from gpipe.analysis import Costs, Timeline, simulate
 from gpipe.balance import balance_by_params
-from gpipe.demo.settings import Corpus, DemoSettings
+from gpipe.bench.measure import layer_times
+from gpipe.demo.recipe import Corpus, DemoSettings
 from gpipe.demo.training import virtual_stages
 from gpipe.models import windows
-from gpipe.report.measure import layer_times
 from gpipe.schedule import make_schedule
 
 __all__ = ["Partition", "partition"]

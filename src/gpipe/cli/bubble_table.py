@@ -6,7 +6,7 @@ import argparse
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from gpipe.cli.arguments import positive_float, positive_int, schedule_names
+from gpipe.cli.options import positive_float, positive_int, schedule_names
 from gpipe.cli.simulate import check_size
 
 __all__ = ["add_arguments", "run"]
