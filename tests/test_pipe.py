@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import statistics
 import threading
+import warnings
 
 import pytest
 import torch
@@ -494,3 +495,44 @@ def test_timeline_events_read_as_kind_microbatch_start_end() -> None:
     first = pipe.timeline.events[1][0]
     assert (first.kind, first.stage, first.microbatch) == ("F", 1, 0)
     assert 0 <= first.start < first.end <= pipe.timeline.makespan + pipe.timeline.start
+
+
+def test_a_loss_class_passed_for_a_loss_is_told_to_pass_an_instance() -> None:
+    pipe = GPipe(make_mlp(2), [2, 2], chunks=2)
+    x = torch.randn(4, 6, dtype=torch.float64)
+    with pytest.raises(TypeError, match=r"loss_fn is the class MSELoss.*loss_fn=MSELoss\(\)"):
+        pipe.train_step(x, x, nn.MSELoss)  # type: ignore[arg-type]
+
+
+def test_a_loss_that_is_not_a_scalar_names_loss_fn_and_the_reduction() -> None:
+    pipe = GPipe(make_mlp(2), [2, 2], chunks=2)
+    x = torch.randn(4, 6, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"loss_fn must return a scalar.*\(2, 6\).*'none'"):
+        pipe.train_step(x, x, nn.MSELoss(reduction="none"))
+
+
+def test_more_chunks_than_samples_warns_once_naming_the_micro_batches_run() -> None:
+    pipe = GPipe(make_mlp(2), [2, 2], chunks=8)
+    x = torch.randn(4, 6, dtype=torch.float64)
+    with pytest.warns(UserWarning, match=r"chunks=8 but the batch has 4 samples: .* runs 4 "):
+        pipe.train_step(x, x, F.mse_loss)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said once per pipe
+        pipe.train_step(x, x, F.mse_loss)
+        GPipe(make_mlp(2), [2, 2], chunks=4).train_step(x, x, F.mse_loss)  # enough samples
+
+
+def test_a_model_built_on_meta_is_refused_in_gpipes_words() -> None:
+    with torch.device("meta"):
+        model = make_mlp(2)
+    with pytest.raises(ValueError, match=r"on the meta device.*to_empty.*DistributedGPipe"):
+        GPipe(model, [2, 2], chunks=2)
+
+
+def test_a_model_that_is_not_a_sequential_is_pointed_to_gpipe_split() -> None:
+    class Residual(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + x
+
+    with pytest.raises(TypeError, match=r"got Residual.*gpipe\.split\(model, split_points"):
+        GPipe(Residual(), chunks=2)  # type: ignore[arg-type]

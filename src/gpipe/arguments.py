@@ -10,6 +10,7 @@ from typing import Any
 from torch import nn
 
 __all__ = [
+    "NOT_A_CHAIN",
     "check_balance_type",
     "check_chunks",
     "check_flag",
@@ -21,13 +22,22 @@ __all__ = [
 ]
 
 
+NOT_A_CHAIN = (
+    "a model that is not a chain of layers (a residual stream, a transformer, a U-Net) is "
+    "cut with gpipe.split(model, split_points=[...], example_inputs=(...)), or balanced "
+    "by it with balance='time', num_stages=K"
+)
+"""What every "needs an nn.Sequential" error adds: the way for a model that is not one."""
+
+
 def check_model(module: Any, who: str) -> None:
     """Raise unless ``module`` is an ``nn.Sequential`` whose layers the pipe can call."""
     _refuse_compiled_whole(module, who)
     if not isinstance(module, nn.Sequential):
         raise TypeError(
-            f"{who} takes an nn.Sequential, got {type(module).__name__}; wrap your layers "
-            "in nn.Sequential(...) in the order they run"
+            f"{who} takes an nn.Sequential or gpipe.Stages, got {type(module).__name__}; "
+            f"wrap layers that run one after the other in nn.Sequential(...); {NOT_A_CHAIN}, "
+            f"and {who} takes the Stages it returns"
         )
 
 

@@ -29,6 +29,12 @@ def check_loss_arguments(
             "microbatch_weight weights micro-batch losses that are means, as "
             "reduction='mean' does; with a summed loss drop it (reduction='sum' adds them)"
         )
+    if isinstance(loss_fn, type):
+        raise TypeError(
+            f"loss_fn is the class {loss_fn.__name__}, not a loss: pass an instance, "
+            f"loss_fn={loss_fn.__name__}(), or a function such as "
+            "torch.nn.functional.mse_loss"
+        )
     if not callable(loss_fn):
         raise TypeError(
             f"loss_fn must be a function loss_fn(output, target) -> scalar, such as "

@@ -182,6 +182,7 @@ class GPipe(PipeCore):
                 return model
             return split_module(model, self.balance)
 
+        _refuse_meta(model)
         # Refuse a tensor that two devices cannot share before changing the user's model.
         TiedParameters(stage_modules(), placement, self.devices)
         self._convert_batch_norm(model, deferred_batch_norm)
@@ -490,3 +491,16 @@ def _identity(input: Any) -> Any:
             f"expected a tensor, or a tuple/list/dict holding tensors, got {type(input).__name__}"
         )
     return input
+
+
+def _refuse_meta(model: nn.Module) -> None:
+    """A local pipe moves the model's own tensors: ones on meta hold no values to move."""
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        if tensor.is_meta:
+            raise ValueError(
+                f"{name!r} is on the meta device (the model was built under "
+                "torch.device('meta')): GPipe moves the model's own values and these have "
+                "none. Build it on a real device, or call model.to_empty(device='cpu') and "
+                "initialize it first; gpipe.distributed.DistributedGPipe takes a meta model "
+                "and materializes only each rank's own layers"
+            )

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from gpipe.arguments import NOT_A_CHAIN
 from gpipe.balance.exact import balance_costs, balance_weighted
 from gpipe.balance.optimizer_state import OptimizerSpec
 from gpipe.balance.profiler import profile
@@ -136,8 +137,8 @@ def balance_by_params(module: nn.Sequential, stages: int) -> list[int]:
 def _check_stages(module: nn.Module, stages: int) -> None:
     if not isinstance(module, nn.Sequential):
         raise TypeError(
-            f"balancing needs an nn.Sequential, got {type(module).__name__}; wrap the layers: "
-            "nn.Sequential(*layers)"
+            f"balancing needs an nn.Sequential, got {type(module).__name__}; wrap layers that "
+            f"run one after the other: nn.Sequential(*layers); {NOT_A_CHAIN}"
         )
     if not isinstance(stages, int) or isinstance(stages, bool):
         raise TypeError(f"stages must be an int, got {stages!r}")

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from gpipe.arguments import NOT_A_CHAIN
 from gpipe.balance.layer_profile import Profile
 from gpipe.balance.optimizer_state import OptimizerSpec, optimizer_state_factor
 from gpipe.runtime.saved import SavedBytes, gradient_bytes, storage_keys, tensor_bytes
@@ -63,8 +64,8 @@ def profile(
     """
     if not isinstance(module, nn.Sequential):
         raise TypeError(
-            f"profile needs an nn.Sequential, got {type(module).__name__}; wrap the layers: "
-            "nn.Sequential(*layers)"
+            f"profile needs an nn.Sequential, got {type(module).__name__}; wrap layers that "
+            f"run one after the other: nn.Sequential(*layers); {NOT_A_CHAIN}"
         )
     if len(module) == 0:
         raise ValueError("profile needs a module with at least one layer, got an empty one")

@@ -8,6 +8,7 @@ only where its stages live (one process or one per rank) and how messages travel
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -109,10 +110,21 @@ class PipeCore(StepSettings, nn.Module):
         return named_batch_dims(self.input_batch_dims, self._flow.dataflow.inputs)
 
     def _split(self, input: Any, *, replicas: int = 1, replica: int = 0) -> Batch:
-        """``input`` (of this replica) cut into ``chunks`` micro-batches."""
-        return split_batch(
+        """``input`` (of this replica) cut into ``chunks`` micro-batches; a batch with fewer
+        samples than ``chunks`` runs one micro-batch a sample, said once per pipe."""
+        batch = split_batch(
             input, self.chunks, self._input_dims(), replicas=replicas, replica=replica
         )
+        if batch.microbatches < self.chunks and not self.__dict__.get("_told_fewer"):
+            self.__dict__["_told_fewer"] = True
+            warnings.warn(
+                f"chunks={self.chunks} but the batch has {batch.total} samples: this step "
+                f"runs {batch.microbatches} micro-batches of one sample (said once per "
+                "pipe); give a larger batch or fewer chunks",
+                UserWarning,
+                stacklevel=3,
+            )
+        return batch
 
     def _skip_pairs(self) -> list[tuple[int, int]]:
         """(sending stage, reading stage) of each message between stages that are not

@@ -8,6 +8,7 @@ from typing import Any
 
 from torch import nn
 
+from gpipe.arguments import NOT_A_CHAIN
 from gpipe.recompute import check_checkpoint
 from gpipe.schedule import SCHEDULES
 from gpipe.units import parse_bytes
@@ -34,8 +35,8 @@ def check_plan_arguments(
     """Raise TypeError or ValueError unless the model, counts and factors can be planned."""
     if not isinstance(module, nn.Sequential):
         raise TypeError(
-            f"plan needs an nn.Sequential, got {type(module).__name__}; wrap the layers: "
-            "nn.Sequential(*layers)"
+            f"plan needs an nn.Sequential, got {type(module).__name__}; wrap layers that "
+            f"run one after the other: nn.Sequential(*layers); {NOT_A_CHAIN}"
         )
     if len(module) == 0:
         raise ValueError("plan needs a module with at least one layer, got an empty one")

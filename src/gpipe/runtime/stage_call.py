@@ -75,6 +75,12 @@ def call_stage(
                 f"{type(value).__name__} {value!r}: return the loss itself, not "
                 "float(loss) or loss.item()"
             )
+        if value.numel() != 1:
+            raise ValueError(
+                f"loss_fn must return a scalar, got a tensor of shape {tuple(value.shape)}: "
+                "reduce it over the micro-batch (reduction='mean' or 'sum' in torch's loss "
+                "functions, not 'none'), or return value.mean()"
+            )
         step.losses[mb] = value.detach()
         return output, value * loss.weights[mb]
 
