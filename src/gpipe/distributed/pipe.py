@@ -236,8 +236,13 @@ class DistributedGPipe(PipeCore):
         rank's parameters; call ``optimizer.step()`` on every rank.
 
         Args:
-            input, target, loss_fn, reduction, microbatch_weight, target_batch_dims: as
+            input: the batch, read on the ranks holding a stage that reads it.
+            target: the targets, read on the last stage's ranks.
+            loss_fn: ``loss_fn(output, target) -> scalar`` for one micro-batch.
+            reduction: "mean" or "sum", as :meth:`gpipe.GPipe.train_step`.
+            microbatch_weight: what one micro-batch's loss averages over, as
                 :meth:`gpipe.GPipe.train_step`.
+            target_batch_dims: where ``target`` is batched.
             local_batch: ``input`` and ``target`` are this replica's part, not the whole.
             kwargs: for ``Stages``, the keyword inputs (an attention mask...).
 
