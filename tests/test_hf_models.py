@@ -166,3 +166,14 @@ def test_a_balance_counts_berts_blocks_two_levels_down() -> None:
     # units: bert.embeddings, bert.encoder.layer.0 ... layer.3, cls
     assert stages.balance == [3, 3]
     assert torch.equal(stages(ids).logits, model(ids).logits)
+
+
+def test_a_model_with_gradient_checkpointing_on_is_told_the_pipe_replaces_it() -> None:
+    import transformers as hf
+
+    config = hf.GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=64, n_positions=16)
+    model = hf.GPT2LMHeadModel(config)
+    model.gradient_checkpointing_enable()
+    ids = torch.randint(0, 64, (2, 8))
+    with pytest.warns(UserWarning, match=r"gradient checkpointing enabled.*checkpoint="):
+        gpipe.split(model, ["transformer.h.1"], example_inputs=(ids,))

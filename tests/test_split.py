@@ -324,3 +324,10 @@ def test_split_balance_counts_the_blocks_of_a_nested_module_list_as_units() -> N
     assert_close(stages(idx), model(idx))
     timed = gpipe.split(model, balance="time", num_stages=3, example_inputs=(idx,))
     assert len(timed) == 3 and sum(timed.balance) == 9
+
+
+def test_a_compiled_model_is_refused_naming_compile_and_leaf_modules() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+    model.compile()  # compiles lazily: nothing runs until a call
+    with pytest.raises(TypeError, match=r"compiled model.*block\.compile\(\).*leaf_modules"):
+        gpipe.split(model, ["2"], example_inputs=(torch.randn(2, 4),))

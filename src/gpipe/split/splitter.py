@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -78,6 +80,16 @@ def split(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"gpipe.split cuts an nn.Module, got {type(model).__name__}")
+    _refuse_compiled(model)
+    if _checkpointing(model):
+        warnings.warn(
+            "the model has gradient checkpointing enabled (Hugging Face's "
+            "gradient_checkpointing_enable()); its stages run without it: the pipe's own "
+            "checkpoint= re-materializes each stage instead (GPipe(..., checkpoint="
+            "'always' | 'except_last' | 'never'))",
+            UserWarning,
+            stacklevel=2,
+        )
     if isinstance(example_inputs, Mapping):  # every input by name: {"idx": idx, "mask": m}
         if example_kwargs:
             raise TypeError(
@@ -130,3 +142,25 @@ def split(
         constants=traced.constants,
         call_order=traced.call_order,
     )
+
+
+def _refuse_compiled(model: nn.Module) -> None:
+    """A compiled model is a wrapper torch.fx cannot trace: name the fix, not the symptom."""
+    dynamo = sys.modules.get("torch._dynamo")  # loaded only if something was compiled
+    compiled = dynamo is not None and isinstance(model, dynamo.eval_frame.OptimizedModule)
+    if compiled or getattr(model, "_compiled_call_impl", None) is not None:
+        raise TypeError(
+            "gpipe.split got a compiled model (torch.compile(model) or model.compile()): "
+            "split the model itself, and compile its blocks instead: compile each block "
+            "(block.compile()) and name them (or their class) in leaf_modules=[...], so each is "
+            "called whole, compiled, inside its stage"
+        )
+
+
+def _checkpointing(model: nn.Module) -> bool:
+    """Whether a Hugging Face model has its own gradient checkpointing on (newer releases
+    name it activation checkpointing and warn on the old name)."""
+    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
+        if hasattr(type(model), name):
+            return bool(getattr(model, name))
+    return False
