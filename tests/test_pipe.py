@@ -536,3 +536,13 @@ def test_a_model_that_is_not_a_sequential_is_pointed_to_gpipe_split() -> None:
 
     with pytest.raises(TypeError, match=r"got Residual.*gpipe\.split\(model, split_points"):
         GPipe(Residual(), chunks=2)  # type: ignore[arg-type]
+
+
+def test_too_few_devices_is_a_public_error_that_counts_in_words() -> None:
+    from gpipe.local_layout import DeviceCountError
+
+    with pytest.raises(
+        DeviceCountError, match=r"balance lists 2 stages but devices lists 1 device "
+    ):
+        GPipe(make_mlp(2), [2, 2], devices=["cpu"], chunks=2)
+    assert issubclass(DeviceCountError, ValueError) and issubclass(DeviceCountError, IndexError)
