@@ -85,8 +85,11 @@ def test_a_stage_backward_of_plain_tensors_calls_the_engine_directly(
     torch.testing.assert_close(grads, [p.grad for p in model.parameters()])
 
 
-def test_a_loss_that_is_not_a_scalar_is_refused_as_plain_backward_would() -> None:
+def test_a_loss_that_is_not_a_scalar_is_refused_naming_loss_fn_and_the_fix() -> None:
+    # plain backward refuses it too, but from inside an action, in torch's words
     pipe = GPipe(_model(), [2, 2], devices=["cpu", "cpu"], chunks=2, checkpoint="never")
     x, y = torch.randn(4, 4), torch.randn(4, 4)
-    with pytest.raises(RuntimeError, match="grad can be implicitly created only for scalar"):
+    with pytest.raises(ValueError, match=r"loss_fn must return a scalar.*\(2, 4\).*'none'"):
         pipe.train_step(x, y, lambda out, target: (out - target) ** 2)
+    with pytest.raises(ValueError, match=r"loss_fn must return a scalar.*'none'"):
+        pipe.train_step(x, y, nn.MSELoss(reduction="none"))
