@@ -160,7 +160,7 @@ def test_balance_weighted_handles_a_thousand_layers_quickly() -> None:
     costs = [float((i * 7919) % 13 + 1) for i in range(1000)]
     start = time.perf_counter()
     balance = balance_weighted(costs, costs, [8, 7, 6, 5, 4, 3, 2, 1])
-    assert time.perf_counter() - start < 30  # a hang check: usually 1-2 s under load
+    assert time.perf_counter() - start < 120  # a hang check: usually 1-2 s under load
     assert sum(balance) == 1000 and min(balance) >= 1
 
 

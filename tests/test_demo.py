@@ -140,5 +140,5 @@ def test_demo_refuses_an_unwritable_output_folder_before_training(
     # /proc refuses new folders even to root, so the check cannot pass by privilege
     assert main(["demo", "--out", "/proc/gpipe-demo-out"]) == 2
     # a hang check (usually 0.01 s; training the 250 default steps would take minutes)
-    assert time.perf_counter() - began < 5
+    assert time.perf_counter() - began < 30
     assert "cannot write to --out /proc/gpipe-demo-out" in capsys.readouterr().err

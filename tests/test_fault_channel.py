@@ -44,7 +44,7 @@ def test_an_idle_channel_sends_one_blocking_wait_and_nothing_more() -> None:
     channel.close()
     # a hang check (usually milliseconds; close may wait 4 s for a slow store): a watcher
     # nothing wakes would wait out its hour
-    assert time.monotonic() - started < 30
+    assert time.monotonic() - started < 120
 
 
 def test_a_published_failure_wakes_every_ranks_watcher_naming_the_rank() -> None:

@@ -246,13 +246,13 @@ def test_simulating_with_measured_costs_predicts_the_same_timeline():
 
 def test_large_pipeline_simulates_without_blowing_up():
     # K=128, M=1024: 262,144 actions, 0.1-0.15 s of CPU each. The bound only catches a
-    # hang or a cost that grows faster than the actions (20x the usual time); the speed
-    # target is benchmarks/simulate.py's.
+    # hang or a cost that grows faster than the actions (over 60x the usual time); the
+    # speed target is benchmarks/simulate.py's.
     for schedule in (gpipe(128, 1024), one_f_one_b(128, 1024)):
         started = time.process_time()
         timeline = simulate(schedule)
         elapsed = time.process_time() - started
-        assert elapsed < 3.0
+        assert elapsed < 10.0
         assert timeline.makespan == 2 * (1024 + 127)
 
 

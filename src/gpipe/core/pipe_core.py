@@ -50,6 +50,7 @@ class PipeCore(StepSettings, nn.Module):
     _flow: Stages | None
     _deferred: list[DeferredBatchNorm]
     _last: tuple[Step, Schedule] | None
+    _told_fewer: bool
     input_batch_dims: BatchDims
     output_batch_dims: BatchDims
     track_memory: bool
@@ -89,6 +90,7 @@ class PipeCore(StepSettings, nn.Module):
         self.virtual_stages = virtual_stages
         self.track_memory = track_memory
         self._last = None
+        self._told_fewer = False  # whether a batch smaller than chunks was said
 
     def _convert_batch_norm(self, module: nn.Module, deferred: bool) -> None:
         """With ``deferred``, make the model's BatchNorms deferred (refusing a reused one)."""
@@ -115,8 +117,8 @@ class PipeCore(StepSettings, nn.Module):
         batch = split_batch(
             input, self.chunks, self._input_dims(), replicas=replicas, replica=replica
         )
-        if batch.microbatches < self.chunks and not self.__dict__.get("_told_fewer"):
-            self.__dict__["_told_fewer"] = True
+        if batch.microbatches < self.chunks and not self._told_fewer:
+            self._told_fewer = True
             warnings.warn(
                 f"chunks={self.chunks} but the batch has {batch.total} samples: this step "
                 f"runs {batch.microbatches} micro-batches of one sample (said once per "
