@@ -1,4 +1,5 @@
-"""Where a local pipe's stages go: its devices resolved, its balance found or checked.
+"""Where a local pipe's stages go: its devices resolved, its balance found or checked, and
+its stage tensors refused where they cannot be, or are no longer, on their devices.
 
 :class:`~gpipe.GPipe` runs every stage in one process; this is the part of building it
 that decides the layout, apart from running it.
@@ -7,7 +8,7 @@ that decides the layout, apart from running it.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -19,14 +20,17 @@ from gpipe.dataflow import Stages
 from gpipe.microbatch import BatchDims, scatter
 from gpipe.partition import check_balance
 from gpipe.runtime.devices import as_devices
+from gpipe.runtime.stage_set import StageSet
 
 __all__ = [
     "Device",
     "DeviceCountError",
     "check_device_count",
+    "check_placement",
     "find_balance",
     "fit_devices",
     "given_devices",
+    "refuse_meta",
     "stages_layout",
 ]
 
@@ -175,3 +179,38 @@ def stages_layout(
     resolved = as_devices(devices)[: count // v]  # extras unused
     check_device_count(count, len(resolved), v, what=f"the Stages hold {count} stages")
     return list(stages.balance), resolved
+
+
+def refuse_meta(model: nn.Module) -> None:
+    """A local pipe moves the model's own tensors: ones on meta hold no values to move."""
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        if tensor.is_meta:
+            raise ValueError(
+                f"{name!r} is on the meta device (the model was built under "
+                "torch.device('meta')): GPipe moves the model's own values and these have "
+                "none. Build it on a real device, or call model.to_empty(device='cpu') and "
+                "initialize it first; gpipe.distributed.DistributedGPipe takes a meta model "
+                "and materializes only each rank's own layers"
+            )
+
+
+def check_placement(partitions: Iterable[nn.Module], stages: StageSet) -> None:
+    """Refuse a step whose stage tensors were moved off the devices the pipe put them on.
+
+    Raises:
+        ValueError: a parameter or buffer is not on its stage's device.
+    """
+    tied = stages.tied
+    for stage, partition in enumerate(partitions):
+        device = stages.device_of(stage)
+        for name, tensor in [*partition.named_parameters(), *partition.named_buffers()]:
+            if tied is not None:  # what the stage reads: a tied Parameter's copy
+                tensor = tied.read_by(stage, tensor)
+            if tensor.device != device and not (
+                device.type == tensor.device.type and device.index is None
+            ):
+                raise ValueError(
+                    f"{name!r} of stage {stage} is on {tensor.device} but the stage runs "
+                    f"on {device}: the pipe owns device placement, so don't move its "
+                    "layers after wrapping; pass devices=[...] to GPipe instead"
+                )

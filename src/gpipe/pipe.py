@@ -15,7 +15,15 @@ from gpipe.balance.optimizer_state import OptimizerSpec
 from gpipe.core.pipe_core import PipeCore
 from gpipe.core.targets import LossFn, check_train_arguments, weighted_loss
 from gpipe.dataflow import Stages
-from gpipe.local_layout import Device, find_balance, fit_devices, given_devices, stages_layout
+from gpipe.local_layout import (
+    Device,
+    check_placement,
+    find_balance,
+    fit_devices,
+    given_devices,
+    refuse_meta,
+    stages_layout,
+)
 from gpipe.loss import weighted_total
 from gpipe.microbatch import Batch, BatchDims, gather
 from gpipe.partition import split_module
@@ -182,7 +190,7 @@ class GPipe(PipeCore):
                 return model
             return split_module(model, self.balance)
 
-        _refuse_meta(model)
+        refuse_meta(model)
         # Refuse a tensor that two devices cannot share before changing the user's model.
         TiedParameters(stage_modules(), placement, self.devices)
         self._convert_batch_norm(model, deferred_batch_norm)
@@ -464,24 +472,8 @@ class GPipe(PipeCore):
 
     def _split_checked(self, input: Any) -> Batch:
         """``input`` cut into micro-batches, once every stage is where the pipe put it."""
-        self._check_placement()
+        check_placement(self.partitions, self._stages)
         return self._split(input)
-
-    def _check_placement(self) -> None:
-        tied = self._stages.tied
-        for stage, partition in enumerate(self.partitions):
-            device = self._stages.device_of(stage)
-            for name, tensor in [*partition.named_parameters(), *partition.named_buffers()]:
-                if tied is not None:  # what the stage reads: a tied Parameter's copy
-                    tensor = tied.read_by(stage, tensor)
-                if tensor.device != device and not (
-                    device.type == tensor.device.type and device.index is None
-                ):
-                    raise ValueError(
-                        f"{name!r} of stage {stage} is on {tensor.device} but the stage runs "
-                        f"on {device}: the pipe owns device placement, so don't move its "
-                        "layers after wrapping; pass devices=[...] to GPipe instead"
-                    )
 
 
 def _identity(input: Any) -> Any:
@@ -491,16 +483,3 @@ def _identity(input: Any) -> Any:
             f"expected a tensor, or a tuple/list/dict holding tensors, got {type(input).__name__}"
         )
     return input
-
-
-def _refuse_meta(model: nn.Module) -> None:
-    """A local pipe moves the model's own tensors: ones on meta hold no values to move."""
-    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
-        if tensor.is_meta:
-            raise ValueError(
-                f"{name!r} is on the meta device (the model was built under "
-                "torch.device('meta')): GPipe moves the model's own values and these have "
-                "none. Build it on a real device, or call model.to_empty(device='cpu') and "
-                "initialize it first; gpipe.distributed.DistributedGPipe takes a meta model "
-                "and materializes only each rank's own layers"
-            )
