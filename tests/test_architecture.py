@@ -19,6 +19,7 @@ LAYERS = [
     (
         "structure",
         "dataflow",
+        "grouping",
         "microbatch",
         "partition",
         "randomness",

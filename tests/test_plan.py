@@ -58,20 +58,22 @@ def exact_latency(monkeypatch: pytest.MonkeyPatch) -> None:
     micro-batches there; the known answers are about the planner, not the machine."""
     from gpipe.planning import measurements
 
-    measured = measurements.profile
+    measured = measurements.profile_samples
 
-    def nominal(module: nn.Sequential, sample: Any, **kwargs: Any) -> Profile:
-        real = measured(module, sample, **kwargs)
-        rows = sample.shape[0]
+    def nominal(module: nn.Sequential, samples: list[Any], **kwargs: Any) -> list[Profile]:
         per_row = [getattr(layer, "per_row", 0.0) for layer in module]
-        return dataclasses.replace(
-            real,
-            forward=[p * rows for p in per_row],
-            backward=[2 * p * rows for p in per_row],
-            cpu=[0.0] * len(per_row),
-        )
+        return [
+            dataclasses.replace(
+                real,
+                forward=[p * sample.shape[0] for p in per_row],
+                backward=[2 * p * sample.shape[0] for p in per_row],
+                cpu=[0.0] * len(per_row),
+                spread=[0.0] * len(per_row),
+            )
+            for real, sample in zip(measured(module, samples, **kwargs), samples)
+        ]
 
-    monkeypatch.setattr(measurements, "profile", nominal)
+    monkeypatch.setattr(measurements, "profile_samples", nominal)
 
 
 @pytest.mark.usefixtures("exact_latency")

@@ -251,7 +251,7 @@ class Stages(nn.ModuleList):
         modules: list[nn.Module] = []
         for stage, module in enumerate(self):
             carried = sorted(later[stage]) if stage < count - 1 else None
-            relay = _LayeredRelay if _layered(module) else _Relay
+            relay = _LayeredRelay if layered(module) else _Relay
             modules.append(relay(module, flow.inputs, flow.takes[stage], stage, carried))
         first = tuple((name, INPUT) for name in flow.inputs)
         takes = (first, *(((_RELAY, stage - 1),) for stage in range(1, count)))
@@ -277,7 +277,7 @@ def _same(given: Any, baked: Any) -> bool:
     return bool(given == baked)
 
 
-def _layered(module: nn.Module) -> bool:
+def layered(module: nn.Module) -> bool:
     """Whether ``module`` runs each layer on a random stream of its own (a Partition)."""
     return hasattr(module, "positions") and hasattr(module, "layer_scope")
 

@@ -209,15 +209,20 @@ class GPipe(PipeCore):
         self._transport = LocalTransport(placement, self.devices, routes)
 
     @classmethod
-    def from_plan(cls, module: nn.Sequential, plan: PlanOrReport) -> GPipe:
+    def from_plan(cls, module: nn.Module, plan: PlanOrReport) -> GPipe:
         """The pipe a :func:`gpipe.plan` result describes: stages, chunks, schedule...
 
         Args:
-            module: the model that was planned.
+            module: the model that was planned: an ``nn.Sequential``, ``Stages`` (grouped
+                into the plan's stages), or any other model (cut by :func:`gpipe.split` at
+                the plan's ``split_points``, traced on the planner's sample again).
             plan: a ``Plan``, or the whole report (its best plan is used).
+
+        Raises:
+            TypeError: ``module`` is not the kind of model the plan was made for.
         """
         chosen = cast("Plan", getattr(plan, "best", plan))
-        return cls(module, **chosen.pipe_kwargs())
+        return cls(chosen.pipe_module(module), **chosen.pipe_kwargs())
 
     # -- nn.Sequential-like access to the user's layers --------------------------------
 

@@ -16,7 +16,8 @@ COST_KINDS = ("time", "memory", "params")
 class Profile:
     """Measured per-layer costs of a model, index ``i`` for layer ``i``.
 
-    Times are in seconds (median of the timed repeats), sizes in bytes.
+    Times are in seconds (the fastest of the timed repeats: other work on the host only
+    adds time), sizes in bytes.
 
     Attributes:
         names: each layer's class name.
@@ -43,6 +44,9 @@ class Profile:
         deferred_bytes: what a zero-bubble B keeps for W from this layer: the gradients at
             its parameter forks (its input taking a gradient). Measured only with
             ``profile(..., split_backward=True)``, else empty.
+        spread: how far the first quartile of the layer's repeats lay above the fastest, as
+            a fraction (0.1: 10 % slower): the host's noise on this layer, which the planner
+            turns into a range around each prediction. Empty where not measured.
     """
 
     names: list[str]
@@ -58,6 +62,7 @@ class Profile:
     cpu: list[float] = field(default_factory=list)
     weight: list[float] = field(default_factory=list)
     deferred_bytes: list[int] = field(default_factory=list)
+    spread: list[float] = field(default_factory=list)
 
     @property
     def layers(self) -> int:

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import statistics
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -20,7 +21,7 @@ from gpipe.runtime.saved import SavedBytes, gradient_bytes, storage_keys, tensor
 from gpipe.runtime.split_backward import backward_input
 from gpipe.structure import leaves, map_tensors
 
-__all__ = ["profile"]
+__all__ = ["preserved", "profile", "profile_samples"]
 
 
 def profile(
@@ -32,6 +33,7 @@ def profile(
     warmup: int = 2,
     optimizer: OptimizerSpec = None,
     split_backward: bool = False,
+    pool: bool = True,
 ) -> Profile:
     """Measure every layer of ``module`` on ``sample``, one layer at a time.
 
@@ -43,16 +45,22 @@ def profile(
     model runs in train mode; afterwards its modes, parameter gradients, buffers (BatchNorm
     statistics) and the random number generators are as they were.
 
+    Times hold on a busy host (see :func:`profile_samples`): the repeats run in rounds over
+    all layers, each layer keeps its fastest run, and identical layers share one cost.
+
     Args:
         module: the model; layers not on ``device`` are profiled on a copy moved there.
         sample: one micro-batch of input (a tensor, or tensors in tuples, lists, dicts).
         device: where to run.
-        repeats: timed runs per layer; the median is kept.
+        repeats: timed runs per layer; the fastest is kept, the first quartile sets the
+            spread.
         warmup: untimed runs before them.
         optimizer: which optimizer's state to count, see
             :func:`gpipe.balance.optimizer_state.optimizer_state_factor`.
         split_backward: also time each layer's input gradient alone, to split its backward
             into B and W for zero-bubble schedules (``Profile.weight``).
+        pool: give identical layers (same class, configuration, parameter shapes and input
+            shapes) one cost, the median of their own: noise cannot then tell them apart.
 
     Returns:
         The per-layer :class:`Profile`.
@@ -61,6 +69,49 @@ def profile(
         TypeError: ``module`` is not an ``nn.Sequential``.
         ValueError: an empty module or sample, ``repeats < 1``, ``warmup < 0``, or an unknown
             optimizer.
+    """
+    return profile_samples(
+        module,
+        [sample],
+        device=device,
+        repeats=repeats,
+        warmup=warmup,
+        optimizer=optimizer,
+        split_backward=split_backward,
+        pool=pool,
+    )[0]
+
+
+def profile_samples(
+    module: nn.Sequential,
+    samples: Sequence[Any],
+    *,
+    device: str | torch.device = "cpu",
+    repeats: int = 5,
+    warmup: int = 2,
+    optimizer: OptimizerSpec = None,
+    split_backward: bool = False,
+    pool: bool = True,
+) -> list[Profile]:
+    """One :class:`Profile` per sample (a micro-batch size each), timed in shared rounds.
+
+    On a shared machine other work comes in bursts, and a burst that covers every repeat
+    of a layer moves its cost however the repeats are summarized. So the repeats run in
+    rounds: each round times every layer on every sample once, and each layer keeps its
+    fastest round. Other work only ever adds time, so the fastest run is the layer's own
+    cost, and a burst hits one round of every layer and sample alike, not all of one. The
+    first quartile of the rounds, relative to the fastest, is the layer's ``spread``: how
+    far this host's noise could move the fastest.
+
+    Identical layers (with ``pool``) share one cost, the median of their fastest runs, so
+    a balance over six equal blocks does not follow which of them a burst hit.
+
+    Args:
+        module, device, repeats, warmup, optimizer, split_backward, pool: as :func:`profile`.
+        samples: micro-batches of input, one profile each.
+
+    Raises:
+        As :func:`profile`; ValueError for no samples.
     """
     if not isinstance(module, nn.Sequential):
         raise TypeError(
@@ -71,36 +122,206 @@ def profile(
         raise ValueError("profile needs a module with at least one layer, got an empty one")
     if repeats < 1 or warmup < 0:
         raise ValueError(f"need repeats >= 1 and warmup >= 0, got {repeats=}, {warmup=}")
-    _check_sample(sample)
+    if not samples:
+        raise ValueError("profile_samples needs at least one sample")
+    for sample in samples:
+        _check_sample(sample)
     factor = optimizer_state_factor(optimizer)
     device = torch.device(device)
 
-    measured: list[_LayerCost] = []
-    with _preserved(module, device):
+    with preserved(module, device):
         module.train()
-        value = map_tensors(lambda t: t.detach().to(device), sample)
-        for layer in module:
-            cost, value = _measure(
-                _on_device(layer, device), value, device, repeats, warmup, split_backward
-            )
-            measured.append(cost)
         layers = [_on_device(layer, device) for layer in module]
-        chain = _attribute(layers, map_tensors(lambda t: t.detach().to(device), sample))
+        given = [map_tensors(lambda t: t.detach().to(device), sample) for sample in samples]
+        inputs = [_layer_inputs(layers, value) for value in given]
+        timings = _time_rounds(layers, inputs, device, repeats, warmup, split_backward)
+        profiles = []
+        for s, value in enumerate(given):
+            chain = _attribute(layers, value)
+            costs = [_summarize(t) for t in timings[s]]
+            if pool:
+                costs = _pooled(costs, _signatures(layers, inputs[s]))
+            profiles.append(
+                _assemble(module, layers, inputs[s], chain, costs, factor, split_backward)
+            )
+    return profiles
 
+
+def _layer_inputs(layers: list[nn.Module], value: Any) -> list[Any]:
+    """What each layer receives when the sample flows through them all (detached)."""
+    received = []
+    with torch.no_grad():
+        for layer in layers:
+            received.append(value)
+            value = map_tensors(torch.Tensor.detach, layer(_fresh(value)))
+    return received
+
+
+@dataclass
+class _Samples:
+    """One layer's timed runs on one sample."""
+
+    forward: list[float]
+    backward: list[float]
+    input_only: list[float]
+    cpu: list[float]
+
+
+def _time_rounds(
+    layers: list[nn.Module],
+    inputs: list[list[Any]],
+    device: torch.device,
+    repeats: int,
+    warmup: int,
+    split: bool,
+) -> list[list[_Samples]]:
+    """``[sample][layer]`` timed runs: ``warmup`` untimed rounds, then ``repeats`` timed."""
+    found = [[_Samples([], [], [], []) for _ in layers] for _ in inputs]
+    for run in range(warmup + repeats):
+        for s, received in enumerate(inputs):
+            for i, layer in enumerate(layers):
+                timed = _run_once(layer, received[i], device, split)
+                if run >= warmup:
+                    into = found[s][i]
+                    into.forward.append(timed[0])
+                    into.backward.append(timed[1])
+                    into.cpu.append(timed[2])
+                    if split:
+                        into.input_only.append(timed[3])
+    for layer in layers:
+        for p in layer.parameters():
+            p.grad = None
+    return found
+
+
+def _run_once(
+    layer: nn.Module, value: Any, device: torch.device, split: bool
+) -> tuple[float, float, float, float]:
+    """One forward and backward of ``layer`` on a fresh copy of ``value``: (forward,
+    backward, CPU seconds of this thread, input gradient alone or 0) in seconds."""
+    inputs = _fresh(value)
+    for p in layer.parameters():
+        p.grad = None
+    _synchronize(device)
+    start_cpu = time.thread_time()
+    start = time.perf_counter()
+    output = layer(inputs)
+    _synchronize(device)
+    middle = time.perf_counter()
+    roots = [t for t in leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
+    begin = time.perf_counter()
+    if roots:
+        torch.autograd.backward(roots, [torch.ones_like(root) for root in roots])
+    _synchronize(device)
+    end = time.perf_counter()
+    cpu = time.thread_time() - start_cpu
+    differentiable = bool(roots)
+    del inputs, output, roots
+    input_only = _input_gradient_seconds(layer, value, device) if split else 0.0
+    return middle - start, (end - begin) if differentiable else 0.0, cpu, input_only
+
+
+@dataclass(frozen=True)
+class _Cost:
+    """One layer's summarized times: the fastest run of each, and the spread."""
+
+    forward: float
+    backward: float
+    cpu: float
+    weight: float
+    spread: float
+
+
+def _summarize(t: _Samples) -> _Cost:
+    """The fastest runs (other work only adds time), and how far the first quartile lies above."""
+    forward, backward = min(t.forward), min(t.backward)
+    fastest = forward + backward
+    totals = sorted(f + b for f, b in zip(t.forward, t.backward))
+    # NOTE: the first quartile, not the median: a burst may cover half the rounds, and the
+    # spread stands for how far the fastest run itself might move, not for the bursts
+    typical = (
+        statistics.quantiles(totals, n=4, method="inclusive")[0] if len(totals) > 1 else fastest
+    )
+    weight = max(0.0, backward - min(t.input_only)) if t.input_only else 0.0
+    # NOTE: the CPU share of the fastest run, not the median: the share a quiet host shows
+    runs = sorted(zip(t.forward, t.backward, t.cpu), key=lambda r: r[0] + r[1])
+    cpu = runs[0][2]
+    spread = typical / fastest - 1 if fastest > 0 else 0.0
+    return _Cost(forward, backward, cpu, weight, spread)
+
+
+def _signatures(layers: list[nn.Module], received: list[Any]) -> list[tuple[Any, ...]]:
+    """What makes two layers cost the same: class, configuration, parameters, inputs."""
+
+    def tensors(value: Any) -> tuple[Any, ...]:
+        return tuple(
+            (tuple(t.shape), t.dtype, t.device.type) if isinstance(t, torch.Tensor) else repr(t)
+            for t in leaves(value)
+        )
+
+    return [
+        (
+            repr(layer),
+            tuple((tuple(p.shape), p.dtype, p.requires_grad) for p in layer.parameters()),
+            tuple((tuple(b.shape), b.dtype) for b in layer.buffers()),
+            tensors(value),
+        )
+        for layer, value in zip(layers, received)
+    ]
+
+
+def _pooled(costs: list[_Cost], signatures: list[tuple[Any, ...]]) -> list[_Cost]:
+    """Each group of identical layers given one cost: the median of the group's."""
+    groups: dict[tuple[Any, ...], list[int]] = {}
+    for i, signature in enumerate(signatures):
+        groups.setdefault(signature, []).append(i)
+    pooled = list(costs)
+    for members in groups.values():
+        if len(members) > 1:
+            mine = [costs[i] for i in members]
+            shared = _Cost(
+                *(
+                    statistics.median(getattr(c, f.name) for c in mine)
+                    for f in dataclasses.fields(_Cost)
+                )
+            )
+            for i in members:
+                pooled[i] = shared
+    return pooled
+
+
+def _assemble(
+    module: nn.Sequential,
+    layers: list[nn.Module],
+    received: list[Any],
+    chain: _Chain,
+    costs: list[_Cost],
+    factor: int,
+    split: bool,
+) -> Profile:
+    """The profile of one sample from its timings, bytes and chain attribution."""
+    parameters = [list({id(p): p for p in layer.parameters()}.values()) for layer in layers]
     return Profile(
         names=[type(layer).__name__ for layer in module],
-        forward=[c.forward for c in measured],
-        backward=[c.backward for c in measured],
-        output_bytes=[c.output_bytes for c in measured],
+        forward=[c.forward for c in costs],
+        backward=[c.backward for c in costs],
+        output_bytes=chain.outputs,
         activation_bytes=chain.saved,
-        parameter_bytes=[c.parameter_bytes for c in measured],
-        gradient_bytes=[c.trainable_bytes for c in measured],
-        optimizer_bytes=[factor * c.trainable_bytes for c in measured],
+        parameter_bytes=[sum(_nbytes(p) for p in params) for params in parameters],
+        gradient_bytes=[
+            sum(_nbytes(p) for p in params if p.requires_grad) for params in parameters
+        ],
+        optimizer_bytes=[
+            factor * sum(_nbytes(p) for p in params if p.requires_grad) for params in parameters
+        ],
         input_bytes=chain.inputs,
         saved_input_bytes=chain.saved_inputs,
-        cpu=[c.cpu for c in measured],
-        weight=[c.weight for c in measured] if split_backward else [],
-        deferred_bytes=[c.deferred_bytes for c in measured] if split_backward else [],
+        cpu=[c.cpu for c in costs],
+        weight=[c.weight for c in costs] if split else [],
+        deferred_bytes=[_deferred_bytes(layer, value) for layer, value in zip(layers, received)]
+        if split
+        else [],
+        spread=[c.spread for c in costs],
     )
 
 
@@ -115,22 +336,11 @@ def _check_sample(sample: Any) -> None:
 
 
 @dataclass(frozen=True)
-class _LayerCost:
-    forward: float
-    backward: float
-    output_bytes: int
-    parameter_bytes: int
-    trainable_bytes: int
-    cpu: float
-    weight: float
-    deferred_bytes: int
-
-
-@dataclass(frozen=True)
 class _Chain:
     saved: list[int]
     inputs: list[int]
     saved_inputs: list[int]
+    outputs: list[int]
 
 
 def _attribute(layers: list[nn.Module], sample: Any) -> _Chain:
@@ -142,7 +352,7 @@ def _attribute(layers: list[nn.Module], sample: Any) -> _Chain:
     # Parameters saved for backward (Linear saves its weight) are not activations.
     own = [t for layer in layers for t in (*layer.parameters(), *layer.buffers())]
     counter = SavedBytes(storage_keys(own))
-    saved, inputs, saved_inputs = [], [], []
+    saved, inputs, saved_inputs, outputs = [], [], [], []
     value = _fresh(sample)
     # NOTE: every output stays referenced, so no counted storage is freed (a graph cut by an
     # argmax would be) and its address reused by a later tensor that would then go uncounted.
@@ -156,6 +366,14 @@ def _attribute(layers: list[nn.Module], sample: Any) -> _Chain:
             before, counted_before = counter.nbytes, [counter.counted(t) for t in given]
             value = layer(value)
             kept.append(value)
+            outputs.append(
+                sum(
+                    t.numel() * t.element_size()
+                    for t in {
+                        id(x): x for x in leaves(value) if isinstance(x, torch.Tensor)
+                    }.values()
+                )
+            )
             saved.append(counter.nbytes - before)
             inputs.append(gradient_bytes(given))
             # what this layer counted for its own input, which a stage starting here keeps
@@ -166,69 +384,7 @@ def _attribute(layers: list[nn.Module], sample: Any) -> _Chain:
                 if counter.counted(t) > was
             }
             saved_inputs.append(sum(newly.values()))
-    return _Chain(saved, inputs, saved_inputs)
-
-
-def _measure(
-    layer: nn.Module, value: Any, device: torch.device, repeats: int, warmup: int, split: bool
-) -> tuple[_LayerCost, Any]:
-    """One layer's cost on input ``value``, and its output (detached) for the next layer."""
-    params = list({id(p): p for p in layer.parameters()}.values())
-    inputs = _fresh(value)
-    output = layer(inputs)
-    output_bytes = sum(
-        leaf.numel() * leaf.element_size()
-        for leaf in {id(x): x for x in leaves(output) if isinstance(x, torch.Tensor)}.values()
-    )
-    next_value = map_tensors(torch.Tensor.detach, output)
-    del inputs, output
-
-    forward: list[float] = []
-    backward: list[float] = []
-    input_only: list[float] = []
-    cpu: list[float] = []
-    for run in range(warmup + repeats):
-        inputs = _fresh(value)
-        for p in params:
-            p.grad = None
-        _synchronize(device)
-        start_cpu = time.thread_time()
-        start = time.perf_counter()
-        output = layer(inputs)
-        _synchronize(device)
-        middle = time.perf_counter()
-        roots = [
-            leaf for leaf in leaves(output) if isinstance(leaf, torch.Tensor) and leaf.requires_grad
-        ]
-        grads = [torch.ones_like(root) for root in roots]
-        begin = time.perf_counter()
-        if roots:
-            torch.autograd.backward(roots, grads)
-        _synchronize(device)
-        end = time.perf_counter()
-        if run >= warmup:
-            forward.append(middle - start)
-            backward.append(end - begin if roots else 0.0)
-            cpu.append(time.thread_time() - start_cpu)
-            if split:
-                input_only.append(_input_gradient_seconds(layer, value, device))
-        del inputs, output, roots, grads
-    for p in params:
-        p.grad = None
-
-    cost = _LayerCost(
-        forward=statistics.median(forward),
-        backward=statistics.median(backward),
-        output_bytes=output_bytes,
-        parameter_bytes=sum(_nbytes(p) for p in params),
-        trainable_bytes=sum(_nbytes(p) for p in params if p.requires_grad),
-        cpu=statistics.median(cpu),
-        weight=max(0.0, statistics.median(backward) - statistics.median(input_only))
-        if split
-        else 0.0,
-        deferred_bytes=_deferred_bytes(layer, value) if split else 0,
-    )
-    return cost, next_value
+    return _Chain(saved, inputs, saved_inputs, outputs)
 
 
 def _input_gradient_seconds(layer: nn.Module, value: Any, device: torch.device) -> float:
@@ -287,7 +443,7 @@ def _same_device(actual: torch.device, wanted: torch.device) -> bool:
 
 
 @contextmanager
-def _preserved(module: nn.Module, device: torch.device) -> Iterator[None]:
+def preserved(module: nn.Module, device: torch.device) -> Iterator[None]:
     """Restore ``module``'s train/eval modes, gradients and buffers, and the RNG, on exit."""
     modes = [(m, m.training) for m in module.modules()]
     grads = [(p, p.grad) for p in module.parameters()]

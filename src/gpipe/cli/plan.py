@@ -4,6 +4,7 @@ The ``gpipe plan`` command, on a built-in example model or a user's.
 
     gpipe plan --devices cpu,cpu,cpu,cpu --batch-size 64 --memory-per-device 200MB
     gpipe plan --model mypkg.models:build --sample-shape 512 --stages 8
+    gpipe plan --model mypkg.models:gpt_pair --split-points h.2,h.4,h.6 --stages 4
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from gpipe.planning.plan_report import Plan, PlanReport
+    from gpipe.planning.verify import Calibration
 
 __all__ = ["add_arguments", "run", "why_this_plan"]
 
@@ -39,8 +41,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
         metavar="MODULE:FACTORY",
-        help="a zero-argument function returning an nn.Sequential, or a "
-        "(model, sample) pair (default: the tiny GPT of gpipe.models)",
+        help="a zero-argument function returning a model (an nn.Sequential, gpipe.Stages, "
+        "or any module gpipe.split can trace), or a (model, sample) pair, the sample a "
+        "tensor, a tuple of inputs or a dict of inputs by name (default: the tiny GPT of "
+        "gpipe.models)",
     )
     parser.add_argument(
         "--sample-shape",
@@ -48,6 +52,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="D1,D2,...",
         help="shape of one sample (no batch dimension) for a factory that "
         "returns only the model; the sample is torch.randn(1, D1, D2, ...)",
+    )
+    parser.add_argument(
+        "--split-points",
+        type=words,
+        default=None,
+        metavar="NAME,NAME,...",
+        help="for a model that is not an nn.Sequential: the submodules a stage may begin "
+        "with, to choose among (default: the start of every unit gpipe.split finds)",
     )
     group = parser.add_mutually_exclusive_group()
     group.add_argument(
@@ -108,6 +120,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top", type=positive_int, default=5, help="plans to rank (default 5)")
     parser.add_argument("--repeats", type=positive_int, default=5, help="timed runs per layer")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument(
+        "--verify",
+        action="store_true",
+        help="run the best plans for a few real steps each, in turns; fit the per-action "
+        "cost and compute factor to them and rank the plans that ran by measured time",
+    )
+    parser.add_argument(
+        "--verify-top", type=positive_int, default=3, help="plans --verify runs (default 3)"
+    )
+    parser.add_argument(
+        "--verify-steps",
+        type=positive_int,
+        default=5,
+        help="timed steps per plan --verify runs, after two untimed (default 5)",
+    )
+    parser.add_argument(
+        "--calibration",
+        type=_calibration,
+        default=None,
+        metavar="MS,SCALE,HEADROOM",
+        help="what an earlier --verify on this host fitted (it prints this argument): the "
+        "per-action cost in ms, the factor on profiled compute, the memory headroom",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -139,6 +174,11 @@ def run(args: argparse.Namespace) -> int:
             repeats=args.repeats,
             dp=args.dp,
             zero=args.zero,
+            split_points=args.split_points,
+            verify=args.verify,
+            verify_top=args.verify_top,
+            verify_steps=args.verify_steps,
+            calibration=args.calibration,
         )
     except (ValueError, TypeError) as error:
         raise CommandError(str(error)) from None
@@ -146,15 +186,66 @@ def run(args: argparse.Namespace) -> int:
     print(report)
     for line in why_this_plan(report):
         print(line)
+    if report.calibration is not None:
+        print(
+            "feed it back on this host: gpipe plan ... --calibration "
+            f"{_calibration_text(report.calibration)}"
+        )
     print(
         f"RESULT best_schedule={best.schedule} stages={best.stages} "
         f"virtual_stages={best.virtual_stages} chunks={best.chunks} "
         f"checkpoint={best.checkpoint} balance={','.join(map(str, best.balance))} "
         f"predicted_ms={best.predicted_step * 1e3:.3f} bubble={best.bubble:.4f} "
         f"peak_memory={max(best.peak_memory)} dp={best.dp} zero={int(best.zero)} "
-        f"candidates={len(report) + len(report.rejected)}"
+        f"candidates={len(report) + len(report.rejected)}{_cuts(best)}{_measured(report)}"
     )
     return 0
+
+
+def _measured(report: PlanReport) -> str:
+    """The RESULT fields of a verified plan: its measured step, and what was fitted."""
+    best, calibration = report.best, report.calibration
+    if best.measured_step is None or calibration is None:
+        return ""
+    return (
+        f" measured_ms={best.measured_step * 1e3:.3f} verified={calibration.plans} "
+        f"calibration={_calibration_text(calibration)}"
+    )
+
+
+def _calibration_text(calibration: Calibration) -> str:
+    """``--calibration`` 's value for what a verification fitted."""
+    return (
+        f"{calibration.action_overhead * 1e3:.4f},{calibration.time_scale:.4f},"
+        f"{calibration.headroom:.4f}"
+    )
+
+
+def _calibration(text: str) -> Calibration:
+    """``--calibration MS,SCALE,HEADROOM`` as the planner's :class:`Calibration`."""
+    from gpipe.planning.verify import Calibration
+
+    try:
+        milliseconds, scale, headroom = (float(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected MS,SCALE,HEADROOM as --verify prints it, e.g. 0.25,1.1,1.0; got {text!r}"
+        ) from None
+    if not (milliseconds >= 0 and scale > 0 and headroom >= 1):
+        raise argparse.ArgumentTypeError(
+            f"need a per-action cost >= 0 ms, a compute factor > 0 and a headroom >= 1, got "
+            f"{text!r}"
+        )
+    return Calibration(milliseconds / 1e3, scale, headroom)
+
+
+def _cuts(best: Plan) -> str:
+    """The RESULT fields that say where a model that is not an nn.Sequential is cut."""
+    if best.split_points is not None:
+        return f" split_points={','.join(best.split_points) or 'none'}"
+    if best.pieces is not None:
+        return f" pieces={','.join(map(str, best.pieces))}"
+    return ""
 
 
 def why_this_plan(report: PlanReport) -> list[str]:
@@ -186,14 +277,28 @@ def why_this_plan(report: PlanReport) -> list[str]:
             by_chunks[candidate.chunks] = candidate
         elif not fits:
             by_chunks.setdefault(candidate.chunks, None)
-    tried = [
-        f"M={m} " + ("over the budget" if p is None else f"{p.predicted_step * 1e3:.2f} ms")
-        for m, p in sorted(by_chunks.items())
-    ]
+    tried = [f"M={m} " + _said(p) for m, p in sorted(by_chunks.items())]
     lines = [
         f"why M={best.chunks}: {best.schedule}, checkpoint {best.checkpoint}, predicted "
         f"step at " + ", ".join(tried)
     ]
+    if best.measured_step is not None:
+        lines.append(
+            f"  measured: M={best.chunks} took {best.measured_step * 1e3:.2f} ms a step (the "
+            "median of the real steps --verify ran); the plans are ranked by what was measured"
+        )
+        return lines
+    _, high = best.predicted_range
+    close = [p for p in by_chunks.values() if p is not None and p is not best]
+    close = [p for p in close if p.predicted_step <= high]
+    if close:
+        names = ", ".join(f"M={p.chunks}" for p in sorted(close, key=lambda p: p.chunks))
+        lines.append(
+            f"  M={best.chunks} is within this host's noise of {names}: their predicted ranges "
+            "overlap, and the plan with fewer micro-batches is listed first (fewer hand-offs, "
+            "the cost a profile sees least); --verify runs them and ranks by measured time"
+        )
+        return lines
     larger = [p for m, p in sorted(by_chunks.items()) if m > 1 and p is not None]
     if best.chunks == 1 and larger:
         other = larger[0]
@@ -211,6 +316,17 @@ def why_this_plan(report: PlanReport) -> list[str]:
     return lines
 
 
+def _said(plan: Plan | None) -> str:
+    """One candidate in the why line: over the budget, its predicted range, what it measured."""
+    if plan is None:
+        return "over the budget"
+    low, high = (f"{t * 1e3:.2f}" for t in plan.predicted_range)
+    said = f"{low} ms" if low == high else f"{low}–{high} ms"
+    if plan.measured_step is not None:
+        said += f" (measured {plan.measured_step * 1e3:.2f})"
+    return said
+
+
 def _size(text: str) -> int:
     """A memory budget: ``200MB``, ``1.5GiB`` or bytes, more than 0."""
     try:
@@ -224,7 +340,7 @@ def _size(text: str) -> int:
 
 def _load_model(
     spec: str | None, sample_shape: tuple[int, ...] | None
-) -> tuple[nn.Sequential, Any, Any, Any]:
+) -> tuple[nn.Module, Any, Any, Any]:
     """The model, a sample, and a loss and targets (the built-in GPT only).
 
     Raises:
@@ -281,16 +397,31 @@ def _load_model(
             f"a sample of shape {sample_shape} (--sample-shape: one sample, without its "
             "batch dimension)"
         )
-    if not isinstance(model, torch.nn.Sequential):
+    if not isinstance(model, torch.nn.Module):
         raise CommandError(
-            f"--model {spec} must return an nn.Sequential, got {type(model).__name__}"
+            f"--model {spec} must return a model (an nn.Sequential, gpipe.Stages or any "
+            f"module gpipe.split can trace), got {type(model).__name__}"
         )
     try:
         with torch.no_grad():
-            model(sample)
+            _call(model, sample)
     except Exception as error:
         raise CommandError(f"the model cannot run on {where}: {_describe(error)}") from None
     return model, sample, None, None
+
+
+def _call(model: nn.Module, sample: Any) -> Any:
+    """``model`` on ``sample``: an nn.Sequential's one input, else a tensor, a tuple of
+    positional inputs or a dict of inputs by name (as gpipe.plan reads it)."""
+    import torch
+
+    if isinstance(model, torch.nn.Sequential):
+        return model(sample)
+    if isinstance(sample, dict):
+        return model(**sample)
+    if isinstance(sample, (tuple, list)):
+        return model(*sample)
+    return model(sample)
 
 
 def _describe(error: BaseException) -> str:

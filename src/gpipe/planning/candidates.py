@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from gpipe.analysis import Costs, Timeline, activation_peaks, search, simulate
+from gpipe.balance import Profile
 from gpipe.planning.host_model import host_share
 from gpipe.planning.measurements import Measurements
 from gpipe.planning.plan_report import Plan
@@ -63,29 +64,20 @@ def evaluate(
     overhead: float,
     budget: int | None,
     replica: Replicas,
+    time_scale: float = 1.0,
 ) -> Plan:
-    """The plan of one candidate: its balance, simulated step time and peak memory per device."""
+    """The plan of one candidate: its balance, simulated step time and peak memory per device.
+
+    ``overhead`` is added to every action, ``time_scale`` multiplies the profiled compute
+    (both 0 and 1 unless calibrated by a verified run, see :mod:`gpipe.planning.verify`).
+    """
     v = 2 if name in TWO_PER_DEVICE else 1
     measured = measure.at(chunks)
-    weight = measured.weight or [0.0] * measured.layers
     balance = measure.balance(chunks, stages * v)
     bounds = [0]
     for count in balance:
         bounds.append(bounds[-1] + count)
     spans = list(itertools.pairwise(bounds))
-    split = name in SPLIT_SCHEDULES
-    forward = [sum(measured.forward[a:b]) for a, b in spans]
-    # NOTE: W is measured as the backward minus the input gradient alone; on a busy machine
-    # that difference can come out above the backward itself, which would leave B negative.
-    w = [
-        min(max(sum(weight[a:b]), 0.0), sum(measured.backward[a:b])) if split else 0.0
-        for a, b in spans
-    ]
-    recomputed = {"always": 1.0, "except_last": (chunks - 1) / chunks, "never": 0.0}[mode]
-    backward = [
-        sum(measured.backward[a:b]) - w_s + recomputed * f
-        for (a, b), w_s, f in zip(spans, w, forward)
-    ]
     full = [measured.stage_activation_bytes(a, b) for a, b in spans]
     kept = [measured.input_bytes[a] for a, _ in spans]
     stored = [
@@ -98,18 +90,18 @@ def evaluate(
         if name != "auto"
         else tuple(range(stages))
     )
-    share = host_share(measured, spans, devices, placement)
-    forward, backward = (
-        [t * share + overhead for t in forward],
-        [t * share + overhead for t in backward],
-    )
-    w = [t * share + overhead if split else 0.0 for t in w]
-    costs = Costs(forward=forward, backward=backward, weight=w)
+    share = host_share(measured, spans, devices, placement) * time_scale
+    split = name in SPLIT_SCHEDULES
+    costs = _stage_costs(measured, spans, split, mode, chunks, share, overhead, noisy=False)
+    # NOTE: the same stages at the first quartile of their repeats: how far this host's noise could
+    # move the prediction, so two plans within it are not told apart
+    slow = _stage_costs(measured, spans, split, mode, chunks, share, overhead, noisy=True)
     if name == "auto":
         schedule = _search(stages, chunks, costs, full if mode == "never" else kept, stored, budget)
     else:
         schedule = make_schedule(name, stages, chunks, virtual_stages=v)
     timeline = simulate(schedule, costs)
+    slow_timeline = simulate(schedule, slow)
     # NOTE: the mini-batch takes no gradient; every later stage sends one back, the size of
     # its input. A stage sending none defers its whole backward, keeping what it received.
     gradient = [0, *kept[1:]]
@@ -133,12 +125,52 @@ def evaluate(
         balance=list(balance),
         devices=devices,
         predicted_step=replica.step(timeline, reduced),
+        predicted_high=max(replica.step(slow_timeline, reduced), replica.step(timeline, reduced)),
         bubble=timeline.bubble,
         peak_memory=[f + a for f, a in zip(fixed, activations)],
         activation_memory=activations,
         built=schedule if name == "auto" else None,
         dp=replica.dp,
         zero=replica.zero,
+    )
+
+
+def _stage_costs(
+    measured: Profile,
+    spans: list[tuple[int, int]],
+    split: bool,
+    mode: str,
+    chunks: int,
+    share: float,
+    overhead: float,
+    *,
+    noisy: bool,
+) -> Costs:
+    """Per-stage F, B and W: sums over each stage's layers, times the host's share, plus the
+    runtime's cost per action; with ``noisy``, each layer at the first quartile of its repeats."""
+    layers = measured.layers
+    widen = [1 + s for s in measured.spread] if noisy and measured.spread else [1.0] * layers
+    weight = measured.weight or [0.0] * layers
+
+    def total(values: list[float], a: int, b: int) -> float:
+        return sum(v * f for v, f in zip(values[a:b], widen[a:b]))
+
+    forward = [total(measured.forward, a, b) for a, b in spans]
+    # NOTE: W is measured as the backward minus the input gradient alone; on a busy machine
+    # that difference can come out above the backward itself, which would leave B negative.
+    w = [
+        min(max(total(weight, a, b), 0.0), total(measured.backward, a, b)) if split else 0.0
+        for a, b in spans
+    ]
+    recomputed = {"always": 1.0, "except_last": (chunks - 1) / chunks, "never": 0.0}[mode]
+    backward = [
+        total(measured.backward, a, b) - w_s + recomputed * f
+        for (a, b), w_s, f in zip(spans, w, forward)
+    ]
+    return Costs(
+        forward=[t * share + overhead for t in forward],
+        backward=[t * share + overhead for t in backward],
+        weight=[t * share + overhead if split else 0.0 for t in w],
     )
 
 

@@ -67,7 +67,7 @@ def measured_headroom(plan: Plan, measured: Any) -> float:
 def _pipe_peaks(plan: Plan, pipe: Any) -> tuple[list[int], list[int]]:
     """(measured, predicted) peak bytes per device of ``plan``'s pipe after a step."""
     devices = [str(device) for device in pipe.devices]
-    balance = [len(partition) for partition in pipe.partitions]
+    balance = list(pipe.balance)
     if devices != list(plan.devices) or balance != list(plan.balance):
         raise ValueError(
             f"the pipe (devices {devices}, balance {balance}) is not the plan's "

@@ -1,4 +1,10 @@
-"""The planner's measurements: each micro-batch size profiled once, each balance found once."""
+"""The planner's measurements: every micro-batch size profiled in shared rounds, each balance
+found once.
+
+All sizes are timed together, round by round (see :func:`gpipe.balance.profiler.profile_samples`),
+so a burst of other work on the host hits one round of every size alike: it cannot make one
+micro-batch count look slow and its neighbours fast.
+"""
 
 from __future__ import annotations
 
@@ -10,15 +16,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from gpipe.balance import Profile, balance_costs, profile
+from gpipe.balance import Profile, balance_costs
 from gpipe.balance.optimizer_state import OptimizerSpec
-from gpipe.structure import map_tensors
+from gpipe.balance.profiler import profile_samples
+from gpipe.structure import leaves, map_tensors
 
-__all__ = ["Measurements"]
+__all__ = ["Measurements", "with_rows"]
 
 
 class Measurements:
-    """Per micro-batch size, the profile (with W times for zero-bubble), measured once."""
+    """Per micro-batch size, the profile (with W times for zero-bubble), measured once for
+    all the chunk counts planned."""
 
     def __init__(
         self,
@@ -32,34 +40,41 @@ class Measurements:
         *,
         split: bool,
         repeats: int,
+        counts: list[int],
     ) -> None:
         self.module, self.sample, self.batch_size = module, sample, batch_size
         self.device, self.optimizer, self.split, self.repeats = device, optimizer, split, repeats
         self.loss_fn, self.target = loss_fn, target
+        self.sizes = sorted({math.ceil(batch_size / m) for m in counts}, reverse=True)
         self._profiles: dict[int, Profile] = {}
         self._balances: dict[tuple[int, int], list[int]] = {}
 
     def at(self, chunks: int) -> Profile:
         """The profile for the largest micro-batch of ``chunks``."""
         size = math.ceil(self.batch_size / chunks)
+        if not self._profiles:
+            self._measure()
         if size not in self._profiles:
-            sample = _rows(self.sample, size)
-            model = self.module
-            if self.loss_fn is not None:
-                loss = _LossLayer(self.loss_fn, _rows(self.target, size))
-                model = nn.Sequential(*self.module, loss)
-            measured = profile(
-                model,
-                sample,
-                device=self.device,
-                repeats=self.repeats,
-                optimizer=self.optimizer,
-                split_backward=self.split,
-            )
-            if self.loss_fn is not None:
-                measured = _fold_loss(measured)
-            self._profiles[size] = measured
+            raise ValueError(f"chunks={chunks} was not among the chunk counts measured")
         return self._profiles[size]
+
+    def _measure(self) -> None:
+        """Profile every micro-batch size, in shared rounds."""
+        model = self.module
+        if self.loss_fn is not None:
+            targets = {size: with_rows(self.target, size) for size in self.sizes}
+            model = nn.Sequential(*self.module, _LossLayer(self.loss_fn, targets))
+        measured = profile_samples(
+            model,
+            [with_rows(self.sample, size) for size in self.sizes],
+            device=self.device,
+            repeats=self.repeats,
+            optimizer=self.optimizer,
+            split_backward=self.split,
+        )
+        if self.loss_fn is not None:
+            measured = [_fold_loss(m) for m in measured]
+        self._profiles = dict(zip(self.sizes, measured))
 
     def balance(self, chunks: int, stages: int) -> list[int]:
         """Layers per stage, ``stages`` of them, balanced on the forward + backward time."""
@@ -70,17 +85,19 @@ class Measurements:
 
 
 class _LossLayer(nn.Module):
-    """The loss on fixed targets, profiled as if it were one more layer."""
+    """The loss on fixed targets, profiled as if it were one more layer: the targets of as
+    many rows as the output has (one set per micro-batch size profiled)."""
 
-    def __init__(self, loss_fn: Callable[[Any, Any], torch.Tensor], target: Any) -> None:
+    def __init__(self, loss_fn: Callable[[Any, Any], torch.Tensor], targets: dict[int, Any]):
         super().__init__()
-        self.loss_fn, self.target = loss_fn, target
+        self.loss_fn, self.targets = loss_fn, targets
 
     def forward(self, output: Any) -> torch.Tensor:
-        return self.loss_fn(output, self.target)
+        rows = next(t.shape[0] for t in leaves(output) if isinstance(t, torch.Tensor))
+        return self.loss_fn(output, self.targets[rows])
 
 
-def _rows(value: Any, size: int) -> Any:
+def with_rows(value: Any, size: int) -> Any:
     """``value`` with exactly ``size`` rows along dim 0: repeated or cut, contiguous."""
 
     def resize(t: torch.Tensor) -> torch.Tensor:
@@ -94,6 +111,8 @@ def _rows(value: Any, size: int) -> Any:
 
 # What the loss layer costs joins the last model layer; its other entries are dropped.
 _FOLDED = ("forward", "backward", "activation_bytes", "cpu", "weight", "deferred_bytes")
+# The spread of the last layer and the loss: the larger of the two.
+_WIDEST = ("spread",)
 
 
 def _fold_loss(measured: Profile) -> Profile:
@@ -102,6 +121,10 @@ def _fold_loss(measured: Profile) -> Profile:
     for field in dataclasses.fields(measured):
         values = getattr(measured, field.name)
         if values:
-            folded = field.name in _FOLDED
-            changes[field.name] = [*values[:-2], values[-2] + values[-1]] if folded else values[:-1]
+            if field.name in _FOLDED:
+                changes[field.name] = [*values[:-2], values[-2] + values[-1]]
+            elif field.name in _WIDEST:
+                changes[field.name] = [*values[:-2], max(values[-2], values[-1])]
+            else:
+                changes[field.name] = values[:-1]
     return dataclasses.replace(measured, **changes)

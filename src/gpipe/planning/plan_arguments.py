@@ -9,6 +9,7 @@ from typing import Any
 from torch import nn
 
 from gpipe.arguments import NOT_A_CHAIN
+from gpipe.dataflow import Stages
 from gpipe.recompute import check_checkpoint
 from gpipe.schedule import SCHEDULES
 from gpipe.units import parse_bytes
@@ -17,6 +18,7 @@ __all__ = [
     "check_action_overhead",
     "check_loss_target",
     "check_plan_arguments",
+    "check_verify",
     "checkpoint_modes",
     "chunk_counts",
     "memory_budget",
@@ -24,7 +26,7 @@ __all__ = [
 
 
 def check_plan_arguments(
-    module: nn.Sequential,
+    module: nn.Module,
     batch_size: int,
     top: int,
     dp: int,
@@ -33,13 +35,21 @@ def check_plan_arguments(
     headroom: float,
 ) -> None:
     """Raise TypeError or ValueError unless the model, counts and factors can be planned."""
-    if not isinstance(module, nn.Sequential):
+    if not isinstance(module, nn.Module):
         raise TypeError(
-            f"plan needs an nn.Sequential, got {type(module).__name__}; wrap layers that "
-            f"run one after the other: nn.Sequential(*layers); {NOT_A_CHAIN}"
+            f"plan needs the model, an nn.Module, got {type(module).__name__}: an "
+            f"nn.Sequential, gpipe.Stages, or any module gpipe.split can trace"
         )
-    if len(module) == 0:
-        raise ValueError("plan needs a module with at least one layer, got an empty one")
+    wrap = f"wrap layers that run one after the other: nn.Sequential(*layers); {NOT_A_CHAIN}"
+    if isinstance(module, (nn.Sequential, Stages)):
+        if len(module) == 0:
+            raise ValueError("plan needs a module with at least one layer, got an empty one")
+    elif isinstance(module, nn.ModuleList):
+        raise TypeError(f"plan got an nn.ModuleList, which has no forward; {wrap}")
+    elif not any(module.children()):
+        raise TypeError(
+            f"plan got one layer, {type(module).__name__}, with nothing to cut between; {wrap}"
+        )
     _check_int("batch_size", batch_size)
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1 (samples per mini-batch), got {batch_size}")
@@ -115,3 +125,37 @@ def check_action_overhead(action_overhead: float | None) -> None:
 def _check_int(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {value!r}")
+
+
+def check_verify(
+    verify: bool,
+    top: int,
+    steps: int,
+    calibration: object,
+    action_overhead: float | None,
+    headroom: float,
+) -> None:
+    """Raise TypeError or ValueError unless the verification and calibration arguments fit."""
+    if not isinstance(verify, bool):
+        raise TypeError(f"verify must be True or False, got {verify!r}")
+    _check_int("verify_top", top)
+    _check_int("verify_steps", steps)
+    if top < 1 or steps < 1:
+        raise ValueError(
+            f"verify_top and verify_steps must be >= 1, got {top} and {steps}: verification "
+            "runs at least one plan for at least one timed step"
+        )
+    if calibration is None:
+        return
+    from gpipe.planning.verify import Calibration
+
+    if not isinstance(calibration, Calibration):
+        raise TypeError(
+            "calibration must be report.calibration of a plan(..., verify=True), got "
+            f"{type(calibration).__name__}"
+        )
+    if action_overhead is not None or headroom != 1.0:
+        raise ValueError(
+            "calibration already holds the per-action cost and the memory headroom: pass "
+            f"it alone, without action_overhead={action_overhead!r} or headroom={headroom!r}"
+        )

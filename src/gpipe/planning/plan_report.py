@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, TypeAlias, overload
 from gpipe.units import format_bytes
 
 if TYPE_CHECKING:
+    from gpipe.planning.verify import Calibration
     from gpipe.schedule import Schedule
 
 __all__ = ["Plan", "PlanOrReport", "PlanReport", "Rejection"]
@@ -39,6 +40,17 @@ class Plan:
         zero: whether the optimizer state is sharded over the replicas (ZeRO-1).
         headroom: the factor on ``peak_memory`` the budget is checked against (see
             :meth:`calibrate`); 1.0 uncalibrated.
+        predicted_high: the step predicted from the first quartile of each layer's profiled
+            runs rather than the fastest (see :attr:`predicted_range`); None where not known.
+        measured_step: seconds, the median step of real runs of this plan when the planner
+            verified it (``plan(..., verify=True)``); None otherwise.
+        measured_range: the first and third quartiles of those runs.
+        split_points: for a model :func:`gpipe.split` cuts, the submodules stages 1, 2, ...
+            begin with; None for an ``nn.Sequential`` or ``Stages``.
+        pieces: for a ``gpipe.Stages``, how many of its stages each stage of the plan
+            groups (``balance`` still counts the model's units); None otherwise.
+        example_inputs: for a split model, the inputs :meth:`gpipe.GPipe.from_plan` traces
+            it on again (the planner's sample, as ``gpipe.split`` takes it).
     """
 
     stages: int
@@ -56,6 +68,19 @@ class Plan:
     dp: int = 1
     zero: bool = False
     headroom: float = 1.0
+    predicted_high: float | None = None
+    measured_step: float | None = None
+    measured_range: tuple[float, float] | None = None
+    split_points: tuple[str, ...] | None = None
+    pieces: tuple[int, ...] | None = None
+    example_inputs: Any = field(default=None, compare=False, repr=False)
+
+    @property
+    def predicted_range(self) -> tuple[float, float]:
+        """Seconds: the step predicted from each layer's fastest run, and from the first
+        quartile of its runs. This host's noise moved the profile within that range."""
+        high = self.predicted_step if self.predicted_high is None else self.predicted_high
+        return self.predicted_step, high
 
     @property
     def needed_memory(self) -> list[int]:
@@ -76,8 +101,9 @@ class Plan:
         return measured_headroom(self, measured)
 
     def pipe_kwargs(self) -> dict[str, Any]:
-        """The keyword arguments of :class:`gpipe.GPipe` that build this plan's pipe."""
-        return {
+        """The keyword arguments of :class:`gpipe.GPipe` that build this plan's pipe (from
+        :meth:`pipe_module`; Stages bring their own balance)."""
+        kwargs = {
             "balance": list(self.balance),
             "devices": list(self.devices),
             "chunks": self.chunks,
@@ -85,6 +111,26 @@ class Plan:
             "schedule": self.schedule if self.built is None else self.built,
             "virtual_stages": self.virtual_stages,
         }
+        if self.split_points is not None or self.pieces is not None:
+            del kwargs["balance"]
+        return kwargs
+
+    def pipe_module(self, module: Any) -> Any:
+        """What :class:`gpipe.GPipe` pipes for this plan: ``module`` (an ``nn.Sequential``),
+        its ``Stages`` grouped into this plan's stages, or the model cut by ``gpipe.split``
+        at :attr:`split_points`. See :func:`gpipe.planning.model_units.pipe_module`."""
+        from gpipe.planning.model_units import pipe_module
+
+        return pipe_module(module, self)
+
+    def cuts(self) -> str:
+        """Where a model that is not an ``nn.Sequential`` is cut, in words ("" for one)."""
+        if self.split_points is not None:
+            points = ", ".join(self.split_points)
+            return f"split points: {points}" if points else "split points: none (one stage)"
+        if self.pieces is not None:
+            return f"stages of the Stages per stage: {','.join(map(str, self.pieces))}"
+        return ""
 
     def describe(self) -> str:
         """A short name: ``1f1b K=4 M=8 checkpoint=never``."""
@@ -110,11 +156,20 @@ class PlanReport(Sequence[Plan]):
     """
 
     def __init__(
-        self, plans: list[Plan], rejected: list[Rejection], memory_per_device: int | None
+        self,
+        plans: list[Plan],
+        rejected: list[Rejection],
+        memory_per_device: int | None,
+        notes: Sequence[str] = (),
     ) -> None:
         self.plans = plans
         self.rejected = rejected
         self.memory_per_device = memory_per_device
+        #: What the ranking could not tell apart, and what a verification measured.
+        self.notes = list(notes)
+        #: What real steps taught the time and memory model (``plan(..., verify=True)``),
+        #: for a later ``plan(..., calibration=report.calibration)``; None unverified.
+        self.calibration: Calibration | None = None
 
     @property
     def best(self) -> Plan:
@@ -137,7 +192,7 @@ class PlanReport(Sequence[Plan]):
         return iter(self.plans)
 
     def __str__(self) -> str:
-        header = (
+        header: tuple[str, ...] = (
             "#",
             "schedule",
             "K",
@@ -145,11 +200,14 @@ class PlanReport(Sequence[Plan]):
             "M",
             "checkpoint",
             "balance",
-            "step",
+            "predicted step",
             "bubble",
             "peak memory per device",
         )
-        rows = [header]
+        verified = any(p.measured_step is not None for p in self.plans)
+        if verified:
+            header = (*header[:8], "measured step", *header[8:])
+        rows: list[tuple[str, ...]] = [header]
         for rank, p in enumerate(self.plans, 1):
             rows.append(
                 (
@@ -160,11 +218,14 @@ class PlanReport(Sequence[Plan]):
                     str(p.chunks),
                     p.checkpoint,
                     ",".join(map(str, p.balance)),
-                    f"{p.predicted_step * 1e3:.2f} ms",
+                    _milliseconds(p.predicted_range),
                     f"{p.bubble:.3f}",
                     " ".join(format_bytes(b) for b in p.peak_memory),
                 )
             )
+            if verified:
+                measured = "" if p.measured_range is None else _milliseconds(p.measured_range)
+                rows[-1] = (*rows[-1][:8], measured, *rows[-1][8:])
         widths = [max(len(row[c]) for row in rows) for c in range(len(header))]
         lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
         budget = "none" if self.memory_per_device is None else format_bytes(self.memory_per_device)
@@ -182,7 +243,15 @@ class PlanReport(Sequence[Plan]):
         shown = over[:3] + [r for r in self.rejected if not r.reason.startswith("over")][:3]
         for r in shown:
             lines.append(f"  rejected {r.plan.describe()}: {r.reason}")
+        lines += [f"#{n} {p.cuts()}" for n, p in enumerate(self.plans, 1) if p.cuts()]
+        lines += self.notes
         return "\n".join(lines)
+
+
+def _milliseconds(span: tuple[float, float]) -> str:
+    """``12.40–13.05 ms``, or ``12.40 ms`` where the two ends agree to the hundredth."""
+    low, high = (f"{t * 1e3:.2f}" for t in span)
+    return f"{low} ms" if low == high else f"{low}–{high} ms"
 
 
 #: What :meth:`gpipe.GPipe.from_plan` builds a pipe from: a plan, or a report (its best plan).

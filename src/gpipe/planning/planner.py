@@ -25,16 +25,19 @@ from gpipe.balance.optimizer_state import OptimizerSpec
 from gpipe.planning import host_model
 from gpipe.planning.candidates import SPLIT_SCHEDULES, Replicas, candidates, evaluate
 from gpipe.planning.measurements import Measurements
+from gpipe.planning.model_units import model_units
 from gpipe.planning.plan_arguments import (
     check_action_overhead,
     check_loss_target,
     check_plan_arguments,
+    check_verify,
     checkpoint_modes,
     chunk_counts,
     memory_budget,
 )
-from gpipe.planning.plan_report import PlanReport
+from gpipe.planning.plan_report import Plan, PlanReport
 from gpipe.planning.ranking import rank
+from gpipe.planning.verify import Calibration, measure_plans, trial_steps, verified
 from gpipe.runtime.devices import as_devices
 
 __all__ = ["DEFAULT_CHECKPOINTS", "DEFAULT_SCHEDULES", "plan"]
@@ -44,7 +47,7 @@ DEFAULT_CHECKPOINTS = ("never", "except_last", "always")
 
 
 def plan(
-    module: nn.Sequential,
+    module: nn.Module,
     sample: Any,
     batch_size: int,
     devices: Sequence[torch.device | str | int],
@@ -64,6 +67,11 @@ def plan(
     zero: bool = False,
     allreduce_bandwidth: float | None = None,
     headroom: float = 1.0,
+    split_points: Sequence[str] | None = None,
+    verify: bool = False,
+    verify_top: int = 3,
+    verify_steps: int = 5,
+    calibration: Calibration | None = None,
 ) -> PlanReport:
     """Search pipeline configurations and rank those that fit by simulated step time.
 
@@ -94,9 +102,14 @@ def plan(
     which the step waits for.
 
     Args:
-        module: the model, an ``nn.Sequential``.
+        module: the model: an ``nn.Sequential`` (its layers are balanced), ``Stages``
+            from :func:`gpipe.split` (its stages are grouped into the plan's), or any other
+            module (cut by ``gpipe.split`` into its units, or at ``split_points``; each plan
+            names the points it cuts at, and :meth:`gpipe.GPipe.from_plan` cuts there).
         sample: example input of any batch size; micro-batches are cut from it (repeating
-            its rows along dim 0 as needed).
+            its rows along dim 0 as needed). For a model that is not an ``nn.Sequential``:
+            a tensor (its one input), a tuple of positional inputs or a dict of inputs by
+            name, as ``gpipe.split``'s ``example_inputs``, each batched along dim 0.
         batch_size: samples per mini-batch.
         devices: the devices available, one per pipeline stage (of each replica).
         memory_per_device: the budget per device, in bytes or as text ("200MB", "8GiB");
@@ -120,18 +133,35 @@ def plan(
         headroom: what each predicted peak is multiplied by before it is checked against
             ``memory_per_device``: ``report.best.calibrate(pipe)`` after a real step of an
             earlier plan gives the measured peak over the predicted one. At least 1.
+        split_points: for a model ``gpipe.split`` cuts, the submodule names a stage may
+            begin with (None: the start of every unit); the plan balances among them.
+        verify: run the ``verify_top`` best plans for ``verify_steps`` real training steps
+            each, in turns; fit the per-action cost and a factor on the profiled compute to
+            what they measured; predict every plan again with them; rank the verified plans
+            by measured time (see :mod:`gpipe.planning.verify`). ``report.calibration``
+            then holds the fit. Runs on the model itself; its gradients, buffers and the
+            random generators are restored afterwards.
+        verify_top: how many plans ``verify`` runs (and as many more, once, that the fit
+            predicts faster than the fastest measured).
+        verify_steps: timed steps per verified plan, after two untimed ones.
+        calibration: ``report.calibration`` of an earlier verified plan on this host: its
+            per-action cost, compute factor and memory headroom replace
+            ``action_overhead`` and ``headroom``.
 
     Returns:
         The :class:`PlanReport`: ``.best``, the ranked plans, and ``.rejected``.
 
     Raises:
-        TypeError: ``module`` is not an ``nn.Sequential``, or a count is not an int.
+        TypeError: ``module`` is not an ``nn.Module`` (or is one layer, with nothing to
+            cut), ``split_points`` for an ``nn.Sequential`` or ``Stages``, or a count is
+            not an int.
         ValueError: ``batch_size < 1``, no devices, an unknown schedule or checkpoint mode,
             chunk counts outside ``1..batch_size``, ``loss_fn`` without ``target``, a
             ``batch_size`` that ``dp`` does not divide, or a budget no candidate fits in (the
             message names the smallest predicted need).
     """
     check_plan_arguments(module, batch_size, top, dp, zero, allreduce_bandwidth, headroom)
+    check_verify(verify, verify_top, verify_steps, calibration, action_overhead, headroom)
     replica = Replicas(dp, zero, allreduce_bandwidth)
     batch_size //= dp  # from here on, one replica's batch
     names = [str(device) for device in as_devices(devices)]
@@ -139,10 +169,11 @@ def plan(
     modes = checkpoint_modes(schedules, checkpoints)
     counts = chunk_counts(batch_size, chunks)
     check_loss_target(loss_fn, target)
+    units = model_units(module, sample, split_points)
 
     measure = Measurements(
-        module,
-        sample,
+        units.chain,
+        units.sample,
         batch_size,
         names[0],
         optimizer,
@@ -150,19 +181,64 @@ def plan(
         target,
         split=any(name in SPLIT_SCHEDULES for name in schedules),
         repeats=repeats,
+        counts=counts,
     )
-    weighed = candidates(counts, len(names), len(module), schedules, modes)
+    weighed = candidates(counts, len(names), units.count, schedules, modes)
     from tqdm import tqdm
 
     check_action_overhead(action_overhead)
-    overhead = host_model.action_overhead(names[0]) if action_overhead is None else action_overhead
-    evaluated = [
-        dataclasses.replace(
-            evaluate(measure, m, k, name, mode, names[:k], overhead, budget, replica),
-            headroom=float(headroom),
+    scale = 1.0
+    if calibration is not None:
+        overhead, scale = calibration.action_overhead, calibration.time_scale
+        headroom = calibration.headroom
+    elif action_overhead is None:
+        overhead = host_model.action_overhead(names[0])
+    else:
+        overhead = action_overhead
+
+    def predict(overhead: float, scale: float, headroom: float, bar: bool = False) -> list[Plan]:
+        return [
+            units.planned(
+                dataclasses.replace(
+                    evaluate(
+                        measure, m, k, name, mode, names[:k], overhead, budget, replica, scale
+                    ),
+                    headroom=float(headroom),
+                )
+            )
+            for m, k, name, mode in tqdm(
+                weighed, desc="planning", unit="plan", disable=not bar, file=sys.stderr
+            )
+        ]
+
+    def rank_all(plans: list[Plan]) -> PlanReport:
+        return rank(plans, budget, top, schedules, modes)
+
+    report = rank_all(predict(overhead, scale, headroom, progress))
+    if not verify:
+        return report
+
+    def predict_one(p: Plan, overhead: float) -> Plan:
+        return evaluate(
+            measure,
+            p.chunks,
+            p.stages,
+            p.schedule,
+            p.checkpoint,
+            names[: p.stages],
+            overhead,
+            budget,
+            replica,
         )
-        for m, k, name, mode in tqdm(
-            weighed, desc="planning", unit="plan", disable=not progress, file=sys.stderr
-        )
-    ]
-    return rank(evaluated, budget, top, schedules, modes)
+
+    trial = trial_steps(module, units, sample, batch_size, loss_fn, target)
+    return verified(
+        report,
+        predict,
+        predict_one,
+        rank_all,
+        lambda plans: measure_plans(plans, trial.build, trial.step, module, steps=verify_steps),
+        overhead,
+        headroom,
+        verify_top,
+    )
