@@ -8,6 +8,7 @@ the test process asserts on numbers that could fail.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 import time
 from collections.abc import Callable
@@ -522,3 +523,43 @@ def gpu_timed_messages(lag_ms: float = 50.0) -> Any:
     finally:
         copies.cuda = real
     return {"host": host, "gpu": lagged, "marks": fake.marks}
+
+
+def planned_layouts(batch: int = 8) -> Any:
+    """Every layout ``gpipe.plan(..., world_size=N)`` weighs, built with
+    ``DistributedGPipe.from_plan``: loss and this rank's gradients vs plain training."""
+    import gpipe
+
+    world = dist.get_world_size()
+    torch.manual_seed(1)
+    x = torch.randn(batch, WIDTH, dtype=torch.float64)
+    y = torch.randn(batch, WIDTH, dtype=torch.float64)
+    loss_fn = nn.functional.mse_loss
+    ref = _reference(mlp, x, y, loss_fn)
+    report = gpipe.plan(
+        mlp(),
+        x,
+        batch,
+        ["cpu"] * world,
+        world_size=world,
+        schedules=("1f1b",),
+        checkpoints=("never",),
+        chunks=[2],
+        top=100,
+        repeats=1,
+        action_overhead=0.0,
+        progress=False,
+    )
+    results: dict[str, Any] = {}
+    for p in sorted([*report.plans, *(r.plan for r in report.rejected)], key=lambda p: p.stages):
+        model = mlp()
+        pipe = gd.DistributedGPipe.from_plan(model, p, timeout=30)
+        loss = pipe.train_step(x, y, loss_fn)
+        results[f"K={p.stages}/dp={p.dp}"] = _compare(pipe, model, loss, ref)
+        pipe.close()
+    other = dataclasses.replace(report.best, stages=report.best.stages * 2 * world)
+    try:
+        gd.DistributedGPipe.from_plan(mlp(), other, timeout=30)
+    except ValueError as error:
+        results["refused"] = str(error)
+    return results

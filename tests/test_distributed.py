@@ -49,6 +49,20 @@ def test_two_processes_equal_plain_training_for_every_schedule_and_checkpoint_mo
     assert_parity(results)
 
 
+@pytest.mark.parametrize("world", [2, 4])
+def test_every_planned_layout_of_a_job_trains_like_plain_training(world: int) -> None:
+    results = check(launch("dist_scenarios:planned_layouts", world))
+    layouts = {key for key in results[0] if key != "refused"}
+    # K stages x dp replicas = the job's processes, for every K that divides it
+    expected = {f"K={k}/dp={world // k}" for k in range(1, world + 1) if world % k == 0}
+    assert layouts == expected
+    for result in results:
+        for key in layouts:
+            assert result[key]["loss"] < 1e-12 and result[key]["grad"] < 1e-12, (key, result)
+            assert result[key]["checked"] > 0, key
+        assert f"this job has {world}" in result["refused"]
+
+
 def test_four_processes_equal_plain_training_with_fewer_or_uneven_microbatches() -> None:
     results = check(
         launch(

@@ -113,6 +113,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "memory is per device of each replica (default 1)",
     )
     parser.add_argument(
+        "--world-size",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="plan a DistributedGPipe job of N processes, one device each: every pipeline "
+        "depth K (up to the devices given) with N/K replicas, weighed together",
+    )
+    parser.add_argument(
         "--zero",
         action="store_true",
         help="with --dp: shard the optimizer state over the replicas (ZeRO-1)",
@@ -179,6 +187,7 @@ def run(args: argparse.Namespace) -> int:
             verify_top=args.verify_top,
             verify_steps=args.verify_steps,
             calibration=args.calibration,
+            world_size=args.world_size,
         )
     except (ValueError, TypeError) as error:
         raise CommandError(str(error)) from None
@@ -198,6 +207,7 @@ def run(args: argparse.Namespace) -> int:
         f"predicted_ms={best.predicted_step * 1e3:.3f} bubble={best.bubble:.4f} "
         f"peak_memory={max(best.peak_memory)} dp={best.dp} zero={int(best.zero)} "
         f"candidates={len(report) + len(report.rejected)}{_cuts(best)}{_measured(report)}"
+        + (f" world_size={best.world_size}" if best.world_size is not None else "")
     )
     return 0
 

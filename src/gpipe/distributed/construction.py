@@ -13,7 +13,7 @@ import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -48,6 +48,7 @@ __all__ = [
     "first_reader",
     "job_layout",
     "model_balance",
+    "planned",
 ]
 
 _LINKS: dict[tuple[int, ...], tuple[float, float]] = {}  # measured once per pipeline a job has
@@ -277,3 +278,25 @@ def job_layout(dp_size: int) -> Layout:
             f"equally: launch a multiple of {dp_size} processes"
         )
     return Layout(dp_size, world // dp_size, dist.get_rank())
+
+
+def planned(module: nn.Module, plan: Any) -> tuple[nn.Sequential | Stages, dict[str, Any]]:
+    """What ``DistributedGPipe.from_plan`` builds: the module to pipe (``module`` itself,
+    its Stages grouped, or the model split at the plan's points) and the settings.
+
+    Raises:
+        ValueError: a plan laid out for another number of processes than this job's.
+    """
+    chosen = getattr(plan, "best", plan)
+    processes = chosen.stages * chosen.dp
+    world = dist.get_world_size()
+    if world != processes:
+        raise ValueError(
+            f"the plan ({chosen.describe()}) lays out {chosen.stages} stages x dp="
+            f"{chosen.dp} = {processes} processes; this job has {world}: launch it with "
+            f"torchrun --nproc-per-node {processes} (or plan with world_size={world})"
+        )
+    settings = chosen.pipe_kwargs()
+    del settings["devices"]  # each rank runs on its own device
+    settings.update(dp_size=chosen.dp, zero=chosen.zero)
+    return cast("nn.Sequential | Stages", chosen.pipe_module(module)), settings

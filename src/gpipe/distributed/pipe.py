@@ -37,6 +37,7 @@ from gpipe.distributed.construction import (
     first_reader,
     job_layout,
     model_balance,
+    planned,
 )
 from gpipe.distributed.guard import PipeGuard
 from gpipe.distributed.header import Header, LossBroadcast, agree
@@ -406,6 +407,23 @@ class DistributedGPipe(PipeCore):
         return self._predicted(self.timeline, link=self._connections.link)
 
     # -- checkpoints -------------------------------------------------------------------
+
+    @classmethod
+    def from_plan(cls, module: nn.Module, plan: Any, **kwargs: Any) -> DistributedGPipe:
+        """The pipe a :func:`gpipe.plan` result describes, on this job's processes: its
+        stages, replicas (``dp_size``, ``zero``), chunks, checkpointing and schedule.
+
+        Args:
+            module: the model that was planned (see :meth:`gpipe.GPipe.from_plan`).
+            plan: a ``Plan`` (from ``plan(..., world_size=N)``, or one with ``stages * dp``
+                equal to this job's size), or the whole report (its best plan).
+            kwargs: the other arguments of ``DistributedGPipe`` (``timeout``, ``tied``...).
+
+        Raises:
+            ValueError: the plan is laid out for another number of processes.
+        """
+        built, settings = planned(module, plan)
+        return cls(built, **settings, **kwargs)
 
     def user_view(self) -> nn.Module:
         """This rank's layers under their names in the user's model (``state_dict`` keys).

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -29,18 +30,24 @@ TWO_PER_DEVICE = ("interleaved", "zb-v")
 
 
 def candidates(
-    counts: Sequence[int], devices: int, layers: int, schedules: Sequence[str], modes: Sequence[str]
-) -> list[tuple[int, int, str, str]]:
-    """Every (chunks, stages, schedule, checkpoint mode) to weigh, on up to ``devices``.
+    layouts: Sequence[Replicas],
+    devices: int,
+    layers: int,
+    schedules: Sequence[str],
+    modes: Sequence[str],
+) -> list[tuple[Replicas, int, int, str, str]]:
+    """Every (layout, chunks, stages, schedule, checkpoint mode) to weigh, on up to
+    ``devices`` devices per replica.
 
     Raises:
         ValueError: no candidate at all (two-per-device schedules only, too few devices or
             layers).
     """
     found = [
-        (m, k, name, mode)
-        for m in counts
-        for k in range(1, min(devices, layers) + 1)
+        (layout, m, k, name, mode)
+        for layout in layouts
+        for m in layout.chunk_counts
+        for k in layout.stage_counts(min(devices, layers))
         for name in schedules
         if not (name in TWO_PER_DEVICE and (k < 2 or 2 * k > layers))
         for mode in modes
@@ -66,14 +73,16 @@ def evaluate(
     replica: Replicas,
     time_scale: float = 1.0,
 ) -> Plan:
-    """The plan of one candidate: its balance, simulated step time and peak memory per device.
+    """The plan of one candidate: its balance, simulated step time and peak memory per device,
+    for one replica of ``replica``'s layout.
 
     ``overhead`` is added to every action, ``time_scale`` multiplies the profiled compute
     (both 0 and 1 unless calibrated by a verified run, see :mod:`gpipe.planning.verify`).
     """
     v = 2 if name in TWO_PER_DEVICE else 1
-    measured = measure.at(chunks)
-    balance = measure.balance(chunks, stages * v)
+    size = math.ceil(replica.batch / chunks)
+    measured = measure.at(size)
+    balance = measure.balance(size, stages * v)
     bounds = [0]
     for count in balance:
         bounds.append(bounds[-1] + count)
@@ -132,6 +141,7 @@ def evaluate(
         built=schedule if name == "auto" else None,
         dp=replica.dp,
         zero=replica.zero,
+        world_size=replica.world_size,
     )
 
 
@@ -176,12 +186,34 @@ def _stage_costs(
 
 @dataclass(frozen=True)
 class Replicas:
-    """What data parallelism adds to one replica's pipeline: a share of the optimizer state
-    (ZeRO) and the wait for the gradient all-reduce."""
+    """One layout of replicas: what each pipelines, and what data parallelism adds to it (a
+    share of the optimizer state under ZeRO, the wait for the gradient all-reduce).
+
+    Attributes:
+        dp: replicas of the pipeline.
+        zero: the optimizer state sharded over them (ZeRO-1).
+        bandwidth: bytes per second of their gradient all-reduce; None leaves its time out.
+        batch: samples one replica pipelines per step.
+        chunk_counts: the micro-batch counts to weigh.
+        stages: the one stage count of a job of ``world_size`` processes (``stages * dp``
+            of them); None: every count up to the devices given.
+        world_size: the processes of a ``DistributedGPipe`` job laid out this way; None for
+            a layout that is not tied to a job's size.
+    """
 
     dp: int
     zero: bool
     bandwidth: float | None
+    batch: int = 1
+    chunk_counts: tuple[int, ...] = (1,)
+    stages: int | None = None
+    world_size: int | None = None
+
+    def stage_counts(self, most: int) -> range:
+        """The stage counts this layout allows, up to ``most``."""
+        if self.stages is None:
+            return range(1, most + 1)
+        return range(self.stages, self.stages + 1) if self.stages <= most else range(0)
 
     def optimizer_share(self, nbytes: int) -> int:
         """What one replica holds of ``nbytes`` of optimizer state: 1/dp of it under ZeRO."""

@@ -9,7 +9,6 @@ micro-batch count look slow and its neighbours fast.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -26,13 +25,12 @@ __all__ = ["Measurements", "with_rows"]
 
 class Measurements:
     """Per micro-batch size, the profile (with W times for zero-bubble), measured once for
-    all the chunk counts planned."""
+    every size the planned layouts and chunk counts cut."""
 
     def __init__(
         self,
         module: nn.Sequential,
         sample: Any,
-        batch_size: int,
         device: str,
         optimizer: OptimizerSpec,
         loss_fn: Callable[[Any, Any], torch.Tensor] | None,
@@ -40,22 +38,21 @@ class Measurements:
         *,
         split: bool,
         repeats: int,
-        counts: list[int],
+        sizes: list[int],
     ) -> None:
-        self.module, self.sample, self.batch_size = module, sample, batch_size
+        self.module, self.sample = module, sample
         self.device, self.optimizer, self.split, self.repeats = device, optimizer, split, repeats
         self.loss_fn, self.target = loss_fn, target
-        self.sizes = sorted({math.ceil(batch_size / m) for m in counts}, reverse=True)
+        self.sizes = sorted(set(sizes), reverse=True)
         self._profiles: dict[int, Profile] = {}
         self._balances: dict[tuple[int, int], list[int]] = {}
 
-    def at(self, chunks: int) -> Profile:
-        """The profile for the largest micro-batch of ``chunks``."""
-        size = math.ceil(self.batch_size / chunks)
+    def at(self, size: int) -> Profile:
+        """The profile of a micro-batch of ``size`` rows."""
         if not self._profiles:
             self._measure()
         if size not in self._profiles:
-            raise ValueError(f"chunks={chunks} was not among the chunk counts measured")
+            raise ValueError(f"micro-batches of {size} rows were not among the sizes measured")
         return self._profiles[size]
 
     def _measure(self) -> None:
@@ -76,11 +73,11 @@ class Measurements:
             measured = [_fold_loss(m) for m in measured]
         self._profiles = dict(zip(self.sizes, measured))
 
-    def balance(self, chunks: int, stages: int) -> list[int]:
-        """Layers per stage, ``stages`` of them, balanced on the forward + backward time."""
-        size = math.ceil(self.batch_size / chunks)
+    def balance(self, size: int, stages: int) -> list[int]:
+        """Layers per stage, ``stages`` of them, balanced on the forward + backward time of
+        micro-batches of ``size`` rows."""
         if (size, stages) not in self._balances:
-            self._balances[size, stages] = balance_costs(self.at(chunks).costs("time"), stages)
+            self._balances[size, stages] = balance_costs(self.at(size).costs("time"), stages)
         return self._balances[size, stages]
 
 

@@ -16,6 +16,7 @@ from gpipe.units import parse_bytes
 
 __all__ = [
     "check_action_overhead",
+    "check_int",
     "check_loss_target",
     "check_plan_arguments",
     "check_verify",
@@ -50,13 +51,13 @@ def check_plan_arguments(
         raise TypeError(
             f"plan got one layer, {type(module).__name__}, with nothing to cut between; {wrap}"
         )
-    _check_int("batch_size", batch_size)
+    check_int("batch_size", batch_size)
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1 (samples per mini-batch), got {batch_size}")
-    _check_int("top", top)
+    check_int("top", top)
     if top < 1:
         raise ValueError(f"top must be >= 1, got {top}")
-    _check_int("dp", dp)
+    check_int("dp", dp)
     if dp < 1 or batch_size % dp:
         raise ValueError(
             f"dp={dp} must be >= 1 and divide batch_size={batch_size} (each replica takes "
@@ -122,7 +123,7 @@ def check_action_overhead(action_overhead: float | None) -> None:
         raise ValueError(f"action_overhead must be >= 0 seconds, got {action_overhead!r}")
 
 
-def _check_int(name: str, value: object) -> None:
+def check_int(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {value!r}")
 
@@ -138,8 +139,8 @@ def check_verify(
     """Raise TypeError or ValueError unless the verification and calibration arguments fit."""
     if not isinstance(verify, bool):
         raise TypeError(f"verify must be True or False, got {verify!r}")
-    _check_int("verify_top", top)
-    _check_int("verify_steps", steps)
+    check_int("verify_top", top)
+    check_int("verify_steps", steps)
     if top < 1 or steps < 1:
         raise ValueError(
             f"verify_top and verify_steps must be >= 1, got {top} and {steps}: verification "

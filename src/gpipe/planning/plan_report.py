@@ -40,6 +40,9 @@ class Plan:
         zero: whether the optimizer state is sharded over the replicas (ZeRO-1).
         headroom: the factor on ``peak_memory`` the budget is checked against (see
             :meth:`calibrate`); 1.0 uncalibrated.
+        world_size: the processes of the ``DistributedGPipe`` job this plan lays out
+            (``stages * dp``; build it with ``DistributedGPipe.from_plan``); None for a
+            layout planned without ``world_size``.
         predicted_high: the step predicted from the first quartile of each layer's profiled
             runs rather than the fastest (see :attr:`predicted_range`); None where not known.
         measured_step: seconds, the median step of real runs of this plan when the planner
@@ -69,6 +72,7 @@ class Plan:
     zero: bool = False
     headroom: float = 1.0
     predicted_high: float | None = None
+    world_size: int | None = None
     measured_step: float | None = None
     measured_range: tuple[float, float] | None = None
     split_points: tuple[str, ...] | None = None
@@ -136,6 +140,8 @@ class Plan:
         """A short name: ``1f1b K=4 M=8 checkpoint=never``."""
         v = f" v={self.virtual_stages}" if self.virtual_stages > 1 else ""
         dp = f" dp={self.dp}{' zero' if self.zero else ''}" if self.dp > 1 else ""
+        if self.world_size is not None:
+            dp = f" dp={self.dp}{' zero' if self.zero else ''} of {self.world_size} processes"
         return (
             f"{self.schedule} K={self.stages}{v} M={self.chunks} checkpoint={self.checkpoint}{dp}"
         )

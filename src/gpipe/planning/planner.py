@@ -14,6 +14,7 @@ and ranks what fits::
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -23,7 +24,8 @@ from torch import nn
 
 from gpipe.balance.optimizer_state import OptimizerSpec
 from gpipe.planning import host_model
-from gpipe.planning.candidates import SPLIT_SCHEDULES, Replicas, candidates, evaluate
+from gpipe.planning.candidates import SPLIT_SCHEDULES, candidates, evaluate
+from gpipe.planning.layouts import layouts
 from gpipe.planning.measurements import Measurements
 from gpipe.planning.model_units import model_units
 from gpipe.planning.plan_arguments import (
@@ -32,7 +34,6 @@ from gpipe.planning.plan_arguments import (
     check_plan_arguments,
     check_verify,
     checkpoint_modes,
-    chunk_counts,
     memory_budget,
 )
 from gpipe.planning.plan_report import Plan, PlanReport
@@ -72,6 +73,7 @@ def plan(
     verify_top: int = 3,
     verify_steps: int = 5,
     calibration: Calibration | None = None,
+    world_size: int | None = None,
 ) -> PlanReport:
     """Search pipeline configurations and rank those that fit by simulated step time.
 
@@ -147,6 +149,12 @@ def plan(
         calibration: ``report.calibration`` of an earlier verified plan on this host: its
             per-action cost, compute factor and memory headroom replace
             ``action_overhead`` and ``headroom``.
+        world_size: plan a ``DistributedGPipe`` job of this many processes, one device
+            each (like ``devices[0]``): every pipeline of K stages (K up to
+            ``len(devices)``) with ``world_size / K`` replicas (``dp_size``) that splits
+            ``batch_size`` evenly, weighed together. Each plan's ``world_size`` and ``dp``
+            say its layout; ``DistributedGPipe.from_plan`` builds it. Not with ``dp``, nor
+            ``verify`` (which runs plans in this process).
 
     Returns:
         The :class:`PlanReport`: ``.best``, the ranked plans, and ``.rejected``.
@@ -162,28 +170,39 @@ def plan(
     """
     check_plan_arguments(module, batch_size, top, dp, zero, allreduce_bandwidth, headroom)
     check_verify(verify, verify_top, verify_steps, calibration, action_overhead, headroom)
-    replica = Replicas(dp, zero, allreduce_bandwidth)
-    batch_size //= dp  # from here on, one replica's batch
+    if verify and world_size is not None:
+        raise ValueError(
+            f"verify runs plans in this process, and world_size={world_size} plans a job of "
+            "processes: plan without verify, then time the job's steps itself (torchrun)"
+        )
     names = [str(device) for device in as_devices(devices)]
     budget = None if memory_per_device is None else memory_budget(memory_per_device)
     modes = checkpoint_modes(schedules, checkpoints)
-    counts = chunk_counts(batch_size, chunks)
     check_loss_target(loss_fn, target)
     units = model_units(module, sample, split_points)
+    laid_out = layouts(
+        batch_size,
+        len(names),
+        units.count,
+        dp=dp,
+        zero=zero,
+        bandwidth=allreduce_bandwidth,
+        chunks=chunks,
+        world_size=world_size,
+    )
 
     measure = Measurements(
         units.chain,
         units.sample,
-        batch_size,
         names[0],
         optimizer,
         loss_fn,
         target,
         split=any(name in SPLIT_SCHEDULES for name in schedules),
         repeats=repeats,
-        counts=counts,
+        sizes=[math.ceil(r.batch / m) for r in laid_out for m in r.chunk_counts],
     )
-    weighed = candidates(counts, len(names), units.count, schedules, modes)
+    weighed = candidates(laid_out, len(names), units.count, schedules, modes)
     from tqdm import tqdm
 
     check_action_overhead(action_overhead)
@@ -200,13 +219,11 @@ def plan(
         return [
             units.planned(
                 dataclasses.replace(
-                    evaluate(
-                        measure, m, k, name, mode, names[:k], overhead, budget, replica, scale
-                    ),
+                    evaluate(measure, m, k, name, mode, names[:k], overhead, budget, layout, scale),
                     headroom=float(headroom),
                 )
             )
-            for m, k, name, mode in tqdm(
+            for layout, m, k, name, mode in tqdm(
                 weighed, desc="planning", unit="plan", disable=not bar, file=sys.stderr
             )
         ]
@@ -228,10 +245,11 @@ def plan(
             names[: p.stages],
             overhead,
             budget,
-            replica,
+            laid_out[0],
         )
 
-    trial = trial_steps(module, units, sample, batch_size, loss_fn, target)
+    # NOTE: one layout without world_size: each replica runs its share of the batch
+    trial = trial_steps(module, units, sample, laid_out[0].batch, loss_fn, target)
     return verified(
         report,
         predict,
