@@ -71,10 +71,8 @@ def test_bad_job_sizes_name_the_fix(changes: dict[str, Any], words: str) -> None
 
 
 def test_cli_plans_a_job(capsys: pytest.CaptureFixture[str]) -> None:
-    code = main(
-        ["plan", "--stages", "2", "--world-size", "2", "--batch-size", "4", "--chunks", "1,2"]
-        + ["--schedules", "1f1b", "--checkpoints", "never", "--repeats", "1", "--no-progress"]
-    )
+    job = ["plan", "--stages", "2", "--world-size", "2", "--batch-size", "4", "--chunks", "1,2"]
+    code = main([*job, "--schedules", "1f1b", "--checkpoints", "never", "--repeats", "1"])
     assert code == 0
     result = capsys.readouterr().out.splitlines()[-1]
     assert result.startswith("RESULT ") and result.endswith("world_size=2")
