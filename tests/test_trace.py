@@ -271,8 +271,17 @@ def test_chrome_trace_has_one_complete_event_per_action(tmp_path: Path) -> None:
 def test_chrome_trace_counts_memory_and_names_threads() -> None:
     trace = fill_drain(2, 2).to_chrome_trace()
     counters = [e for e in trace["traceEvents"] if e["ph"] == "C"]
-    assert len(counters) == 2 * 2 * 2
     assert {c["name"] for c in counters} == {"memory device 0", "memory device 1"}
+    # What each device holds (gpipe.analysis.held): up through the forwards, down through
+    # the backwards, back to zero; device 1 starts its first forward at 1 ms.
+    levels = [
+        [(c["ts"], c["args"]["memory"]) for c in counters if c["name"] == name]
+        for name in ("memory device 0", "memory device 1")
+    ]
+    assert levels == [
+        [(0.0, 1), (1e3, 2), (5e3, 1), (6e3, 0)],
+        [(0.0, 0), (1e3, 1), (2e3, 2), (4e3, 1), (5e3, 0)],
+    ]
     threads = [e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"]
     assert threads == ["device 0", "device 1"]
 

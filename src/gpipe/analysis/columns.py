@@ -105,8 +105,8 @@ class TransferColumns:
 
 @dataclass(frozen=True)
 class SimulatedColumns:
-    """Per device, its actions (the schedule's own) and their start, end and memory, as
-    slices ``offsets[d]:offsets[d + 1]`` of one array each.
+    """Per device, its actions (the schedule's own) and their start, end, memory and what
+    each leaves held, as slices ``offsets[d]:offsets[d + 1]`` of one array each.
 
     Implements :class:`gpipe.analysis.timeline.Columns`; the figures it gives are those the
     events would give, to the last bit (sums run in event order, as ``Timeline`` sums them).
@@ -117,6 +117,7 @@ class SimulatedColumns:
     start: np.ndarray
     end: np.ndarray
     memory: np.ndarray
+    left: np.ndarray
     messages: TransferColumns
 
     def _rows(self, values: np.ndarray) -> list[list[float]]:
@@ -129,9 +130,13 @@ class SimulatedColumns:
 
     def _made(self) -> list[list[Event]]:
         return [
-            list(map(Event, actions, starts, ends, memory))
-            for actions, starts, ends, memory in zip(
-                self.actions, self._rows(self.start), self._rows(self.end), self._rows(self.memory)
+            list(map(Event, *row))
+            for row in zip(
+                self.actions,
+                self._rows(self.start),
+                self._rows(self.end),
+                self._rows(self.memory),
+                self._rows(self.left),
             )
         ]
 

@@ -62,7 +62,7 @@ def memory_per_action(
         raise IndexError("an action on a stage the schedule does not have")
     memory = memory_columns(
         columns, schedule, full, kept, checkpoint, gradient=gradient, deferred=deferred
-    ).tolist()
+    )[0].tolist()
     return [memory[a:b] for a, b in zip(columns.offsets, columns.offsets[1:])]
 
 
@@ -75,8 +75,9 @@ def memory_columns(
     *,
     gradient: Sizes | None = None,
     deferred: Sizes | None = None,
-) -> np.ndarray:
-    """:func:`memory_per_action` of ``schedule``'s actions given as columns, in one array.
+) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`memory_per_action` of ``schedule``'s actions given as columns, in one array,
+    and beside it what each action leaves held once it has ended (``Event.left``).
 
     The walk's sums run in its order (a cumulative sum per device), so the figures are
     those of walking the actions one by one, to the last bit. Whole numbers in, whole
@@ -119,7 +120,7 @@ def memory_columns(
     before[1:] = held[:-1]
     before[[a for a, b in zip(columns.offsets, columns.offsets[1:]) if b > a]] = 0  # starts empty
     during = before + recomputed + received[s] + sent[s] + fresh[s]
-    return np.where(forward, held, np.where(backward, during, before))
+    return np.where(forward, held, np.where(backward, during, before)), held
 
 
 def activation_peaks(

@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from gpipe.analysis.held import held_memory
 from gpipe.analysis.labels import KIND_NAMES
 
 if TYPE_CHECKING:
@@ -25,10 +26,12 @@ def to_chrome_trace(
 
     Each action is one complete event (``"ph": "X"``) named like ``"F3"`` on its device's
     track, with times in microseconds from the timeline's start and ``args`` holding stage,
-    micro-batch and memory. A device is a thread of one process, or, for a timeline of
-    several processes (``timeline.processes``), a process track of its own named
-    "rank d". When any memory is recorded, a counter track (``"ph": "C"``) per device
-    follows it. Messages between devices (``timeline.transfers``) are slices on the
+    micro-batch, memory and, where recorded, what it left held. A device is a thread of
+    one process, or, for a timeline of several processes (``timeline.processes``), a
+    process track of its own named "rank d". When any memory is recorded, a counter track
+    (``"ph": "C"``) per device follows what it holds for backward
+    (:func:`~gpipe.analysis.held.held_memory`): each action's count while it runs, what
+    it left held after it. Messages between devices (``timeline.transfers``) are slices on the
     receiving device's "receives" track, from hand-over to arrival, with a flow arrow
     from the action that sent them. A measured timeline keeps its real time; a simulated
     one (unit ``"cost"``) is shown with one cost unit as one millisecond.
@@ -53,11 +56,13 @@ def to_chrome_trace(
     name = timeline.schedule or "timeline"
     tracks = _Tracks(timeline)
     events: list[dict[str, Any]] = tracks.names(name)
-    with_memory = any(timeline.peak_memory)
     for device, device_events in enumerate(timeline.events):
         pid, tid = tracks.compute(device)
         for e in device_events:
             action = e.action
+            args = {"stage": action.stage, "microbatch": action.microbatch, "memory": e.memory}
+            if e.left is not None:
+                args["left"] = e.left
             events.append(
                 {
                     "name": f"{action.kind}{action.microbatch}",
@@ -67,23 +72,11 @@ def to_chrome_trace(
                     "tid": tid,
                     "ts": (e.start - origin) * scale,
                     "dur": e.duration * scale,
-                    "args": {
-                        "stage": action.stage,
-                        "microbatch": action.microbatch,
-                        "memory": e.memory,
-                    },
+                    "args": args,
                 }
             )
-            if with_memory:
-                events.append(
-                    {
-                        "name": f"memory device {device}",
-                        "ph": "C",
-                        "pid": pid,
-                        "ts": (e.start - origin) * scale,
-                        "args": {"memory": e.memory},
-                    }
-                )
+    if any(timeline.peak_memory):
+        events += _memory(timeline, tracks, scale)
     events += _transfers(timeline, tracks, origin, scale)
     trace: dict[str, Any] = {
         "traceEvents": events,
@@ -135,6 +128,29 @@ class _Tracks:
                 pid, tid = self.received(device)
                 events.append(meta("thread_name", pid, tid, f"device {device} receives"))
         return events
+
+
+def _memory(timeline: Timeline, tracks: _Tracks, scale: float) -> list[dict[str, Any]]:
+    """A counter per device of what it holds for backward (:func:`held_memory`): each
+    action's count while it runs, what it left held between actions."""
+    events: list[dict[str, Any]] = []
+    for device, (times, held, _) in enumerate(held_memory(timeline)):
+        pid, _ = tracks.compute(device)
+        last = None
+        for i, (at, value) in enumerate(zip(times, held)):
+            if (i + 1 < len(times) and times[i + 1] == at) or value == last:
+                continue  # replaced at the same moment (an instant action), or no change
+            events.append(
+                {
+                    "name": f"memory device {device}",
+                    "ph": "C",
+                    "pid": pid,
+                    "ts": at * scale,
+                    "args": {"memory": value},
+                }
+            )
+            last = value
+    return events
 
 
 def _transfers(

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from gpipe.analysis.held import held_memory
 from gpipe.analysis.labels import KIND_NAMES, format_memory, format_time, kinds_in
 from gpipe.schedule import BACKWARD, FORWARD, WEIGHT
 
@@ -49,8 +50,8 @@ def plot(
             or several, one panel each (e.g. every schedule on the same model).
         names: each panel's name, ``timeline``'s first; by default "measured" or
             "simulated" by unit, and "predicted" for a single ``compare``.
-        memory: add a panel of what each device holds for backward over time (``timeline``'s);
-            by default when it recorded any.
+        memory: add a panel of what each device holds for backward over time (``timeline``'s,
+            see :func:`~gpipe.analysis.held.held_memory`); by default when it recorded any.
 
     Returns:
         The path written.
@@ -174,21 +175,32 @@ def _draw_memory(ax: Axes, timeline: Timeline) -> None:
     from matplotlib import colormaps
     from matplotlib.ticker import FuncFormatter
 
-    origin = timeline.start
     # Past ten devices the default colour cycle repeats; a gradient keeps them in order.
     palette = colormaps["viridis"] if timeline.devices > 10 else colormaps["tab10"]
-    for device, events in enumerate(timeline.events):
-        if not events:
+    for device, (times, held, kept) in enumerate(held_memory(timeline)):
+        if len(times) < 3:  # an idle device holds nothing
             continue
-        # What an action holds stays held until the next action changes it.
-        xs = [e.start - origin for e in events] + [events[-1].end - origin]
-        ys = [e.memory for e in events] + [events[-1].memory]
         shade = device / max(timeline.devices - 1, 1) if timeline.devices > 10 else device
-        ax.step(xs, ys, where="post", linewidth=1.0, label=f"dev {device}", color=palette(shade))
+        color = palette(shade)
+        top = max(range(len(held)), key=held.__getitem__)
+        ax.step(times, held, where="post", linewidth=0.6, alpha=0.45, color=color)
+        ax.step(times, kept, where="post", linewidth=1.4, color=color)
+        ax.plot(
+            times[top],
+            held[top],
+            "o",
+            markersize=3,
+            color=color,
+            label=f"dev {device}, peak {format_memory(held[top], timeline.unit)}",
+        )
     ax.set_ylim(bottom=0)
     ax.set_ylabel("memory", fontsize=8)
     ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: format_memory(v, timeline.unit)))
-    ax.set_title("held for backward, per device", loc="left", fontsize=10)
+    ax.set_title(
+        "held for backward, per device (faint: with a running backward's work; dot: peak)",
+        loc="left",
+        fontsize=10,
+    )
     ax.legend(
         fontsize=6,
         ncols=min(timeline.devices, 8),

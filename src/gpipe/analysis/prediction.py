@@ -11,7 +11,7 @@ import statistics
 from collections.abc import Sequence
 
 from gpipe.analysis.simulator import Costs, simulate, skips_from_timeline
-from gpipe.analysis.timeline import Timeline
+from gpipe.analysis.timeline import Event, Timeline
 from gpipe.schedule import FORWARD, Schedule
 
 __all__ = ["predict"]
@@ -28,8 +28,8 @@ def predict(
     """The simulator's timeline of ``schedule`` under the costs ``measured`` shows.
 
     Each stage's F, B and W cost is the median of its measured durations. Each action keeps
-    the bytes the step counted for it: the count follows the action order and the sizes,
-    never the timing (see :mod:`gpipe.analysis.memory`), so it is the same.
+    the bytes the step counted for it and left held: the count follows the action order
+    and the sizes, never the timing (see :mod:`gpipe.analysis.memory`), so it is the same.
 
     Args:
         measured: the step's timeline, in seconds.
@@ -54,14 +54,16 @@ def predict(
         )
     predicted = simulate(schedule, costs, skips_from_timeline(measured, skips))
     counted = {
-        (device, event.action): event.memory
+        (device, event.action): (event.memory, event.left)
         for device, events in enumerate(measured.events)
         for event in events
     }
-    events = [
-        [dataclasses.replace(e, memory=counted.get((device, e.action), 0)) for e in events]
-        for device, events in enumerate(predicted.events)
-    ]
+    events: list[list[Event]] = []
+    for device, simulated in enumerate(predicted.events):
+        events.append([])
+        for e in simulated:
+            memory, left = counted.get((device, e.action), (0, None))
+            events[-1].append(dataclasses.replace(e, memory=memory, left=left))
     return Timeline(
         events,
         "s",

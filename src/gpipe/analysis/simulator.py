@@ -90,7 +90,7 @@ def simulate(
     until then). ``Event.memory`` is the most held during the action: after a forward's
     allocation, before a backward's or W's release, with the gradients a backward receives
     and sends (see :func:`~gpipe.analysis.memory.memory_per_action`; nothing is
-    re-materialized here).
+    re-materialized here); ``Event.left`` is what it holds once the action has ended.
 
     A model that is not a chain also sends values past the stages in between (a U-Net's
     long skip): each of ``skips`` is one more message per micro-batch, from the sending
@@ -169,7 +169,7 @@ def _simulate(schedule: Schedule, costs: Costs, skips: Sequence[Skip]) -> Timeli
     if times is None:
         raise _invalid(schedule)
     start, end, finished = times
-    memory = memory_columns(
+    memory, left = memory_columns(
         columns,
         schedule,
         held_bytes,
@@ -179,7 +179,9 @@ def _simulate(schedule: Schedule, costs: Costs, skips: Sequence[Skip]) -> Timeli
         deferred=deferred_bytes,
     )
     messages = _messages(columns, waits, finished, placement, sizes)
-    simulated = SimulatedColumns(schedule.actions, columns.offsets, start, end, memory, messages)
+    simulated = SimulatedColumns(
+        schedule.actions, columns.offsets, start, end, memory, left, messages
+    )
     return Timeline.from_columns(simulated, "cost", schedule.name)
 
 

@@ -24,12 +24,19 @@ class Event:
     holds while it runs (the gradients it receives and sends, a recomputation) or keeps for
     W. :mod:`gpipe.analysis.memory` states the rule; a simulated timeline counts in the
     cost model's units.
+
+    ``left`` is what the device holds for backward once the action has ended, by the same
+    count: what a forward keeps, less what a backward or W freed, plus what a zero-bubble B
+    keeps for its W. Between actions the device holds the last one's ``left`` (see
+    :mod:`gpipe.analysis.held`). None where it is not known (a timeline built by hand, or
+    saved before it was recorded).
     """
 
     action: Action
     start: float
     end: float
     memory: float = 0
+    left: float | None = None
 
     @property
     def duration(self) -> float:

@@ -41,7 +41,7 @@ def gather_timeline(
     origin = seconds(step.state.origin_ns)
     mine = {
         "events": [
-            (str(e.action), origin + e.start, origin + e.end, e.memory)
+            (str(e.action), origin + e.start, origin + e.end, e.memory, e.left)
             for e in step.state.events[device]
         ],
         "sent": [(tag, peer, seconds(ns)) for tag, peer, ns in log.sent],
@@ -58,7 +58,10 @@ def gather_timeline(
         ) from error
     zero = min((e[1] for g in gathered for e in g["events"]), default=origin)
     events = [
-        [Event(Action.parse(a), start - zero, end - zero, m) for a, start, end, m in g["events"]]
+        [
+            Event(Action.parse(a), start - zero, end - zero, m, left)
+            for a, start, end, m, left in g["events"]
+        ]
         for g in gathered
     ]
     index = {rank: d for d, rank in enumerate(pipeline)}

@@ -123,6 +123,7 @@ class StageWorker:
                 (start_ns - origin) / 1e9,
                 (end_ns - origin) / 1e9,
                 self.held if memory is None else memory,
+                self.held,
             )
         )
 
