@@ -278,3 +278,34 @@ def test_cli_verify_prints_measured_beside_predicted_and_the_calibration(
         main([*base, "--calibration", "fast"])
     assert exit_.value.code == 2
     assert "MS,SCALE,HEADROOM" in capsys.readouterr().err
+
+
+_threads = [2]  # the intra-op threads of the fake torch below
+
+
+def test_a_parallel_op_stalled_by_a_busy_core_is_timed_on_one_thread_too(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """While other work holds a core, each parallel op waits for its threads: 30x slow,
+    for as long as the work lasts. The one-thread timing waits for nobody, and is kept."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: _threads[0])
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: _threads.__setitem__(0, n))
+    _threads[0] = 2
+
+    def stalled(layer: nn.Module, value: Any, device: Any, split: bool) -> tuple[float, ...]:
+        base = TRUE_SECONDS_PER_ROW[type(layer).__name__] * value.shape[0]
+        slow = 30.0 if torch.get_num_threads() > 1 else 1.0
+        return base * slow, 2 * base * slow, 3 * base * slow, 0.0
+
+    monkeypatch.setattr(profiler_module, "_run_once", stalled)
+    measured = profile(mlp(), torch.randn(8, 32), repeats=3, warmup=0)
+    assert measured.forward[0] == pytest.approx(TRUE_SECONDS_PER_ROW["Linear"] * 8)
+    assert _threads[0] == 2  # torch's count as it was
+
+
+def test_a_drift_between_the_first_and_second_half_of_the_rounds_widens_the_spread() -> None:
+    steady = profiler_module._Samples([1.0] * 6, [2.0] * 6, [], [3.0] * 6)
+    drifting = profiler_module._Samples([1.0] * 3 + [1.3] * 3, [2.0] * 6, [], [3.0] * 6)
+    assert profiler_module._summarize(steady).spread == 0.0
+    # the second half's fastest lay 0.3 s above the first half's: 10 % of the 3 s total
+    assert profiler_module._summarize(drifting).spread == pytest.approx(0.1)

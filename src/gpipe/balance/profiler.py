@@ -106,6 +106,10 @@ def profile_samples(
     Identical layers (with ``pool``) share one cost, the median of their fastest runs, so
     a balance over six equal blocks does not follow which of them a burst hit.
 
+    On a CPU with several intra-op threads each layer is also timed on one thread, and the
+    faster way kept: while other work holds a core, every parallel op waits for its
+    threads, which no number of rounds gets past (see :func:`_thread_ways`).
+
     Args:
         module, device, repeats, warmup, optimizer, split_backward, pool: as :func:`profile`.
         samples: micro-batches of input, one profile each.
@@ -138,7 +142,10 @@ def profile_samples(
         profiles = []
         for s, value in enumerate(given):
             chain = _attribute(layers, value)
-            costs = [_summarize(t) for t in timings[s]]
+            costs = [
+                min((_summarize(way[s][i]) for way in timings), key=_total)
+                for i in range(len(layers))
+            ]
             if pool:
                 costs = _pooled(costs, _signatures(layers, inputs[s]))
             profiles.append(
@@ -174,24 +181,56 @@ def _time_rounds(
     repeats: int,
     warmup: int,
     split: bool,
-) -> list[list[_Samples]]:
-    """``[sample][layer]`` timed runs: ``warmup`` untimed rounds, then ``repeats`` timed."""
-    found = [[_Samples([], [], [], []) for _ in layers] for _ in inputs]
+) -> list[list[list[_Samples]]]:
+    """``[way][sample][layer]`` timed runs: ``warmup`` untimed rounds, then ``repeats``
+    timed, each round every layer on every sample once, each way (see :func:`_thread_ways`)."""
+    ways = _thread_ways(device)
+    found = [[[_Samples([], [], [], []) for _ in layers] for _ in inputs] for _ in ways]
     for run in range(warmup + repeats):
-        for s, received in enumerate(inputs):
-            for i, layer in enumerate(layers):
-                timed = _run_once(layer, received[i], device, split)
-                if run >= warmup:
-                    into = found[s][i]
-                    into.forward.append(timed[0])
-                    into.backward.append(timed[1])
-                    into.cpu.append(timed[2])
-                    if split:
-                        into.input_only.append(timed[3])
+        for way, threads in enumerate(ways):
+            with _intra_op_threads(threads):
+                for s, received in enumerate(inputs):
+                    for i, layer in enumerate(layers):
+                        timed = _run_once(layer, received[i], device, split)
+                        if run >= warmup:
+                            into = found[way][s][i]
+                            into.forward.append(timed[0])
+                            into.backward.append(timed[1])
+                            into.cpu.append(timed[2])
+                            if split:
+                                into.input_only.append(timed[3])
     for layer in layers:
         for p in layer.parameters():
             p.grad = None
     return found
+
+
+def _thread_ways(device: torch.device) -> list[int]:
+    """The intra-op thread counts each layer is timed with: torch's, and on a CPU with more
+    than one, also one thread alone.
+
+    NOTE: a parallel op waits for all its threads; while other work holds a core, one of
+    them waits for it, and every op of the layer takes milliseconds, for as long as the
+    other work lasts (a profile 30x slow was seen on a 2-core host with one core busy). A
+    single thread waits for nobody. The faster of the two ways is kept for each layer: on
+    a quiet host the parallel one (or a tie), on a busy one the other, at most ``threads``
+    times the quiet cost instead of unbounded.
+    """
+    threads = torch.get_num_threads()
+    return [threads, 1] if device.type == "cpu" and threads > 1 else [threads]
+
+
+@contextmanager
+def _intra_op_threads(threads: int) -> Iterator[None]:
+    """Run with ``threads`` intra-op threads, then torch's count as it was."""
+    before = torch.get_num_threads()
+    if threads != before:
+        torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        if torch.get_num_threads() != before:
+            torch.set_num_threads(before)
 
 
 def _run_once(
@@ -233,21 +272,31 @@ class _Cost:
 
 
 def _summarize(t: _Samples) -> _Cost:
-    """The fastest runs (other work only adds time), and how far the first quartile lies above."""
+    """The fastest runs (other work only adds time), and how far the estimate might move."""
     forward, backward = min(t.forward), min(t.backward)
     fastest = forward + backward
-    totals = sorted(f + b for f, b in zip(t.forward, t.backward))
+    in_order = [f + b for f, b in zip(t.forward, t.backward)]
+    totals = sorted(in_order)
     # NOTE: the first quartile, not the median: a burst may cover half the rounds, and the
     # spread stands for how far the fastest run itself might move, not for the bursts
-    typical = (
-        statistics.quantiles(totals, n=4, method="inclusive")[0] if len(totals) > 1 else fastest
-    )
+    typical = fastest
+    if len(totals) > 1:
+        typical = statistics.quantiles(totals, n=4, method="inclusive")[0]
+    # NOTE: a host's speed also drifts over seconds (other tenants, clocks), which no
+    # round-to-round spread shows: the fastest of the first half of the rounds against the
+    # fastest of the second half says how far the estimate itself moved while it was taken
+    half = len(in_order) // 2
+    drift = abs(min(in_order[:half]) - min(in_order[half:])) if half else 0.0
     weight = max(0.0, backward - min(t.input_only)) if t.input_only else 0.0
     # NOTE: the CPU share of the fastest run, not the median: the share a quiet host shows
     runs = sorted(zip(t.forward, t.backward, t.cpu), key=lambda r: r[0] + r[1])
     cpu = runs[0][2]
-    spread = typical / fastest - 1 if fastest > 0 else 0.0
+    spread = max(typical - fastest, drift) / fastest if fastest > 0 else 0.0
     return _Cost(forward, backward, cpu, weight, spread)
+
+
+def _total(cost: _Cost) -> float:
+    return cost.forward + cost.backward
 
 
 def _signatures(layers: list[nn.Module], received: list[Any]) -> list[tuple[Any, ...]]:
