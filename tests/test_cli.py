@@ -14,7 +14,7 @@ import gpipe
 import gpipe.schedule
 from gpipe.analysis import bubble_formula
 from gpipe.cli import build_parser, main
-from gpipe.cli.plan import why_this_plan
+from gpipe.cli.plan_text import why_this_plan
 from gpipe.planning.plan_report import Plan, PlanReport, Rejection
 
 

@@ -13,8 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from gpipe.balance import profile
-from gpipe.balance import profiler as profiler_module
+from gpipe.balance import layer_timing, profile
 from gpipe.cli import main
 from gpipe.planning.plan_report import Plan
 from gpipe.planning.planner import plan
@@ -71,7 +70,7 @@ def bursty_host(monkeypatch: pytest.MonkeyPatch) -> Callable[[int], None]:
         # 2 warm-up rounds and 5 timed ones
         state["burst"] = (state["rng"].randrange(2 * 52, 4 * 52), 3 * 52)
 
-    monkeypatch.setattr(profiler_module, "_run_once", fake_run)
+    monkeypatch.setattr(layer_timing, "run_once", fake_run)
     reseed(0)
     return reseed
 
@@ -297,15 +296,15 @@ def test_a_parallel_op_stalled_by_a_busy_core_is_timed_on_one_thread_too(
         slow = 30.0 if torch.get_num_threads() > 1 else 1.0
         return base * slow, 2 * base * slow, 3 * base * slow, 0.0
 
-    monkeypatch.setattr(profiler_module, "_run_once", stalled)
+    monkeypatch.setattr(layer_timing, "run_once", stalled)
     measured = profile(mlp(), torch.randn(8, 32), repeats=3, warmup=0)
     assert measured.forward[0] == pytest.approx(TRUE_SECONDS_PER_ROW["Linear"] * 8)
     assert _threads[0] == 2  # torch's count as it was
 
 
 def test_a_drift_between_the_first_and_second_half_of_the_rounds_widens_the_spread() -> None:
-    steady = profiler_module._Samples([1.0] * 6, [2.0] * 6, [], [3.0] * 6)
-    drifting = profiler_module._Samples([1.0] * 3 + [1.3] * 3, [2.0] * 6, [], [3.0] * 6)
-    assert profiler_module._summarize(steady).spread == 0.0
+    steady = layer_timing.Samples([1.0] * 6, [2.0] * 6, [], [3.0] * 6)
+    drifting = layer_timing.Samples([1.0] * 3 + [1.3] * 3, [2.0] * 6, [], [3.0] * 6)
+    assert layer_timing.summarize(steady).spread == 0.0
     # the second half's fastest lay 0.3 s above the first half's: 10 % of the 3 s total
-    assert profiler_module._summarize(drifting).spread == pytest.approx(0.1)
+    assert layer_timing.summarize(drifting).spread == pytest.approx(0.1)

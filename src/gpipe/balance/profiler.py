@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import copy
-import dataclasses
-import statistics
-import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -16,6 +13,15 @@ from torch import nn
 
 from gpipe.arguments import NOT_A_CHAIN
 from gpipe.balance.layer_profile import Profile
+from gpipe.balance.layer_timing import (
+    Cost,
+    fresh,
+    pooled,
+    signatures,
+    summarize,
+    time_rounds,
+    total,
+)
 from gpipe.balance.optimizer_state import OptimizerSpec, optimizer_state_factor
 from gpipe.runtime.saved import SavedBytes, gradient_bytes, storage_keys, tensor_bytes
 from gpipe.runtime.split_backward import backward_input
@@ -108,7 +114,7 @@ def profile_samples(
 
     On a CPU with several intra-op threads each layer is also timed on one thread, and the
     faster way kept: while other work holds a core, every parallel op waits for its
-    threads, which no number of rounds gets past (see :func:`_thread_ways`).
+    threads, which no number of rounds gets past (see :mod:`gpipe.balance.layer_timing`).
 
     Args:
         module, device, repeats, warmup, optimizer, split_backward, pool: as :func:`profile`.
@@ -138,16 +144,16 @@ def profile_samples(
         layers = [_on_device(layer, device) for layer in module]
         given = [map_tensors(lambda t: t.detach().to(device), sample) for sample in samples]
         inputs = [_layer_inputs(layers, value) for value in given]
-        timings = _time_rounds(layers, inputs, device, repeats, warmup, split_backward)
+        timings = time_rounds(layers, inputs, device, repeats, warmup, split_backward)
         profiles = []
         for s, value in enumerate(given):
             chain = _attribute(layers, value)
             costs = [
-                min((_summarize(way[s][i]) for way in timings), key=_total)
+                min((summarize(way[s][i]) for way in timings), key=total)
                 for i in range(len(layers))
             ]
             if pool:
-                costs = _pooled(costs, _signatures(layers, inputs[s]))
+                costs = pooled(costs, signatures(layers, inputs[s]))
             profiles.append(
                 _assemble(module, layers, inputs[s], chain, costs, factor, split_backward)
             )
@@ -160,183 +166,8 @@ def _layer_inputs(layers: list[nn.Module], value: Any) -> list[Any]:
     with torch.no_grad():
         for layer in layers:
             received.append(value)
-            value = map_tensors(torch.Tensor.detach, layer(_fresh(value)))
+            value = map_tensors(torch.Tensor.detach, layer(fresh(value)))
     return received
-
-
-@dataclass
-class _Samples:
-    """One layer's timed runs on one sample."""
-
-    forward: list[float]
-    backward: list[float]
-    input_only: list[float]
-    cpu: list[float]
-
-
-def _time_rounds(
-    layers: list[nn.Module],
-    inputs: list[list[Any]],
-    device: torch.device,
-    repeats: int,
-    warmup: int,
-    split: bool,
-) -> list[list[list[_Samples]]]:
-    """``[way][sample][layer]`` timed runs: ``warmup`` untimed rounds, then ``repeats``
-    timed, each round every layer on every sample once, each way (see :func:`_thread_ways`)."""
-    ways = _thread_ways(device)
-    found = [[[_Samples([], [], [], []) for _ in layers] for _ in inputs] for _ in ways]
-    for run in range(warmup + repeats):
-        for way, threads in enumerate(ways):
-            with _intra_op_threads(threads):
-                for s, received in enumerate(inputs):
-                    for i, layer in enumerate(layers):
-                        timed = _run_once(layer, received[i], device, split)
-                        if run >= warmup:
-                            into = found[way][s][i]
-                            into.forward.append(timed[0])
-                            into.backward.append(timed[1])
-                            into.cpu.append(timed[2])
-                            if split:
-                                into.input_only.append(timed[3])
-    for layer in layers:
-        for p in layer.parameters():
-            p.grad = None
-    return found
-
-
-def _thread_ways(device: torch.device) -> list[int]:
-    """The intra-op thread counts each layer is timed with: torch's, and on a CPU with more
-    than one, also one thread alone.
-
-    NOTE: a parallel op waits for all its threads; while other work holds a core, one of
-    them waits for it, and every op of the layer takes milliseconds, for as long as the
-    other work lasts (a profile 30x slow was seen on a 2-core host with one core busy). A
-    single thread waits for nobody. The faster of the two ways is kept for each layer: on
-    a quiet host the parallel one (or a tie), on a busy one the other, at most ``threads``
-    times the quiet cost instead of unbounded.
-    """
-    threads = torch.get_num_threads()
-    return [threads, 1] if device.type == "cpu" and threads > 1 else [threads]
-
-
-@contextmanager
-def _intra_op_threads(threads: int) -> Iterator[None]:
-    """Run with ``threads`` intra-op threads, then torch's count as it was."""
-    before = torch.get_num_threads()
-    if threads != before:
-        torch.set_num_threads(threads)
-    try:
-        yield
-    finally:
-        if torch.get_num_threads() != before:
-            torch.set_num_threads(before)
-
-
-def _run_once(
-    layer: nn.Module, value: Any, device: torch.device, split: bool
-) -> tuple[float, float, float, float]:
-    """One forward and backward of ``layer`` on a fresh copy of ``value``: (forward,
-    backward, CPU seconds of this thread, input gradient alone or 0) in seconds."""
-    inputs = _fresh(value)
-    for p in layer.parameters():
-        p.grad = None
-    _synchronize(device)
-    start_cpu = time.thread_time()
-    start = time.perf_counter()
-    output = layer(inputs)
-    _synchronize(device)
-    middle = time.perf_counter()
-    roots = [t for t in leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
-    begin = time.perf_counter()
-    if roots:
-        torch.autograd.backward(roots, [torch.ones_like(root) for root in roots])
-    _synchronize(device)
-    end = time.perf_counter()
-    cpu = time.thread_time() - start_cpu
-    differentiable = bool(roots)
-    del inputs, output, roots
-    input_only = _input_gradient_seconds(layer, value, device) if split else 0.0
-    return middle - start, (end - begin) if differentiable else 0.0, cpu, input_only
-
-
-@dataclass(frozen=True)
-class _Cost:
-    """One layer's summarized times: the fastest run of each, and the spread."""
-
-    forward: float
-    backward: float
-    cpu: float
-    weight: float
-    spread: float
-
-
-def _summarize(t: _Samples) -> _Cost:
-    """The fastest runs (other work only adds time), and how far the estimate might move."""
-    forward, backward = min(t.forward), min(t.backward)
-    fastest = forward + backward
-    in_order = [f + b for f, b in zip(t.forward, t.backward)]
-    totals = sorted(in_order)
-    # NOTE: the first quartile, not the median: a burst may cover half the rounds, and the
-    # spread stands for how far the fastest run itself might move, not for the bursts
-    typical = fastest
-    if len(totals) > 1:
-        typical = statistics.quantiles(totals, n=4, method="inclusive")[0]
-    # NOTE: a host's speed also drifts over seconds (other tenants, clocks), which no
-    # round-to-round spread shows: the fastest of the first half of the rounds against the
-    # fastest of the second half says how far the estimate itself moved while it was taken
-    half = len(in_order) // 2
-    drift = abs(min(in_order[:half]) - min(in_order[half:])) if half else 0.0
-    weight = max(0.0, backward - min(t.input_only)) if t.input_only else 0.0
-    # NOTE: the CPU share of the fastest run, not the median: the share a quiet host shows
-    runs = sorted(zip(t.forward, t.backward, t.cpu), key=lambda r: r[0] + r[1])
-    cpu = runs[0][2]
-    spread = max(typical - fastest, drift) / fastest if fastest > 0 else 0.0
-    return _Cost(forward, backward, cpu, weight, spread)
-
-
-def _total(cost: _Cost) -> float:
-    return cost.forward + cost.backward
-
-
-def _signatures(layers: list[nn.Module], received: list[Any]) -> list[tuple[Any, ...]]:
-    """What makes two layers cost the same: class, configuration, parameters, inputs."""
-
-    def tensors(value: Any) -> tuple[Any, ...]:
-        return tuple(
-            (tuple(t.shape), t.dtype, t.device.type) if isinstance(t, torch.Tensor) else repr(t)
-            for t in leaves(value)
-        )
-
-    return [
-        (
-            repr(layer),
-            tuple((tuple(p.shape), p.dtype, p.requires_grad) for p in layer.parameters()),
-            tuple((tuple(b.shape), b.dtype) for b in layer.buffers()),
-            tensors(value),
-        )
-        for layer, value in zip(layers, received)
-    ]
-
-
-def _pooled(costs: list[_Cost], signatures: list[tuple[Any, ...]]) -> list[_Cost]:
-    """Each group of identical layers given one cost: the median of the group's."""
-    groups: dict[tuple[Any, ...], list[int]] = {}
-    for i, signature in enumerate(signatures):
-        groups.setdefault(signature, []).append(i)
-    pooled = list(costs)
-    for members in groups.values():
-        if len(members) > 1:
-            mine = [costs[i] for i in members]
-            shared = _Cost(
-                *(
-                    statistics.median(getattr(c, f.name) for c in mine)
-                    for f in dataclasses.fields(_Cost)
-                )
-            )
-            for i in members:
-                pooled[i] = shared
-    return pooled
 
 
 def _assemble(
@@ -344,7 +175,7 @@ def _assemble(
     layers: list[nn.Module],
     received: list[Any],
     chain: _Chain,
-    costs: list[_Cost],
+    costs: list[Cost],
     factor: int,
     split: bool,
 ) -> Profile:
@@ -402,7 +233,7 @@ def _attribute(layers: list[nn.Module], sample: Any) -> _Chain:
     own = [t for layer in layers for t in (*layer.parameters(), *layer.buffers())]
     counter = SavedBytes(storage_keys(own))
     saved, inputs, saved_inputs, outputs = [], [], [], []
-    value = _fresh(sample)
+    value = fresh(sample)
     # NOTE: every output stays referenced, so no counted storage is freed (a graph cut by an
     # argmax would be) and its address reused by a later tensor that would then go uncounted.
     kept = [value]
@@ -436,24 +267,9 @@ def _attribute(layers: list[nn.Module], sample: Any) -> _Chain:
     return _Chain(saved, inputs, saved_inputs, outputs)
 
 
-def _input_gradient_seconds(layer: nn.Module, value: Any, device: torch.device) -> float:
-    """Seconds of the input gradient alone (what a zero-bubble B runs): no weight gradient."""
-    inputs = _fresh(value)
-    output = layer(inputs)
-    roots = [t for t in leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
-    wanted = [t for t in leaves(inputs) if isinstance(t, torch.Tensor) and t.requires_grad]
-    _synchronize(device)
-    start = time.perf_counter()
-    if roots and wanted:
-        grads = [torch.ones_like(r) for r in roots]
-        torch.autograd.grad(roots, wanted, grads, allow_unused=True)
-    _synchronize(device)
-    return time.perf_counter() - start
-
-
 def _deferred_bytes(layer: nn.Module, value: Any) -> int:
     """What a zero-bubble B of ``layer`` keeps for its W: the gradients at its forks."""
-    inputs = _fresh(value)
+    inputs = fresh(value)
     output = layer(inputs)
     roots = [t for t in leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
     wanted = [t for t in leaves(inputs) if isinstance(t, torch.Tensor) and t.requires_grad]
@@ -462,19 +278,6 @@ def _deferred_bytes(layer: nn.Module, value: Any) -> int:
         return 0
     _, later = backward_input([(r, torch.ones_like(r)) for r in roots], wanted, params)
     return gradient_bytes([grads for _, grads, _ in later.parts])
-
-
-def _fresh(value: Any) -> Any:
-    """A new input: leaves that take gradients if floating, cloned off those leaves."""
-
-    def fresh(tensor: torch.Tensor) -> torch.Tensor:
-        differentiable = tensor.is_floating_point() or tensor.is_complex()
-        leaf = tensor.detach().requires_grad_(differentiable)
-        # NOTE: an in-place layer (ReLU(inplace=True)) may not write into a leaf that requires
-        # grad, nor into the value every repeat starts from; a clone is neither.
-        return leaf.clone()
-
-    return map_tensors(fresh, value)
 
 
 def _on_device(layer: nn.Module, device: torch.device) -> nn.Module:
@@ -513,12 +316,6 @@ def preserved(module: nn.Module, device: torch.device) -> Iterator[None]:
         with torch.no_grad():
             for b, saved in buffers:
                 b.copy_(saved)
-
-
-def _synchronize(device: torch.device) -> None:
-    # CUDA runs asynchronously: without this the clock would time the launch, not the work.
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _nbytes(tensor: torch.Tensor) -> int:

@@ -24,16 +24,21 @@ from gpipe.cli.options import (
     shape,
     words,
 )
+from gpipe.cli.plan_text import (
+    calibration_argument,
+    cut_fields,
+    measured_fields,
+    why_this_plan,
+)
 from gpipe.recompute import CHECKPOINT_MODES
 from gpipe.units import parse_bytes
 
 if TYPE_CHECKING:
     from torch import nn
 
-    from gpipe.planning.plan_report import Plan, PlanReport
     from gpipe.planning.verify import Calibration
 
-__all__ = ["add_arguments", "run", "why_this_plan"]
+__all__ = ["add_arguments", "run"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -198,7 +203,7 @@ def run(args: argparse.Namespace) -> int:
     if report.calibration is not None:
         print(
             "feed it back on this host: gpipe plan ... --calibration "
-            f"{_calibration_text(report.calibration)}"
+            f"{calibration_argument(report.calibration)}"
         )
     print(
         f"RESULT best_schedule={best.schedule} stages={best.stages} "
@@ -206,29 +211,11 @@ def run(args: argparse.Namespace) -> int:
         f"checkpoint={best.checkpoint} balance={','.join(map(str, best.balance))} "
         f"predicted_ms={best.predicted_step * 1e3:.3f} bubble={best.bubble:.4f} "
         f"peak_memory={max(best.peak_memory)} dp={best.dp} zero={int(best.zero)} "
-        f"candidates={len(report) + len(report.rejected)}{_cuts(best)}{_measured(report)}"
+        f"candidates={len(report) + len(report.rejected)}"
+        f"{cut_fields(best)}{measured_fields(report)}"
         + (f" world_size={best.world_size}" if best.world_size is not None else "")
     )
     return 0
-
-
-def _measured(report: PlanReport) -> str:
-    """The RESULT fields of a verified plan: its measured step, and what was fitted."""
-    best, calibration = report.best, report.calibration
-    if best.measured_step is None or calibration is None:
-        return ""
-    return (
-        f" measured_ms={best.measured_step * 1e3:.3f} verified={calibration.plans} "
-        f"calibration={_calibration_text(calibration)}"
-    )
-
-
-def _calibration_text(calibration: Calibration) -> str:
-    """``--calibration`` 's value for what a verification fitted."""
-    return (
-        f"{calibration.action_overhead * 1e3:.4f},{calibration.time_scale:.4f},"
-        f"{calibration.headroom:.4f}"
-    )
 
 
 def _calibration(text: str) -> Calibration:
@@ -247,94 +234,6 @@ def _calibration(text: str) -> Calibration:
             f"{text!r}"
         )
     return Calibration(milliseconds / 1e3, scale, headroom)
-
-
-def _cuts(best: Plan) -> str:
-    """The RESULT fields that say where a model that is not an nn.Sequential is cut."""
-    if best.split_points is not None:
-        return f" split_points={','.join(best.split_points) or 'none'}"
-    if best.pieces is not None:
-        return f" pieces={','.join(map(str, best.pieces))}"
-    return ""
-
-
-def why_this_plan(report: PlanReport) -> list[str]:
-    """Lines that say why the best plan's micro-batch count won, from the other candidates.
-
-    For the best plan's schedule and checkpoint mode, each micro-batch count M tried: its
-    predicted step (the simulator on the profiled costs), or that it was over the budget.
-    When M=1 wins, it says why: it leaves the largest bubble, so cutting the batch must
-    cost more than the bubble it fills.
-    """
-    best = report.best
-    same = (best.schedule, best.checkpoint, best.virtual_stages, best.stages, best.dp, best.zero)
-    over = {id(r.plan) for r in report.rejected if r.reason.startswith("over")}
-    by_chunks: dict[int, Plan | None] = {}
-    for candidate in [*report.plans, *(r.plan for r in report.rejected)]:
-        key = (
-            candidate.schedule,
-            candidate.checkpoint,
-            candidate.virtual_stages,
-            candidate.stages,
-            candidate.dp,
-            candidate.zero,
-        )
-        if key != same:
-            continue
-        fits = id(candidate) not in over
-        known = by_chunks.get(candidate.chunks)
-        if fits and (known is None or candidate.predicted_step < known.predicted_step):
-            by_chunks[candidate.chunks] = candidate
-        elif not fits:
-            by_chunks.setdefault(candidate.chunks, None)
-    tried = [f"M={m} " + _said(p) for m, p in sorted(by_chunks.items())]
-    lines = [
-        f"why M={best.chunks}: {best.schedule}, checkpoint {best.checkpoint}, predicted "
-        f"step at " + ", ".join(tried)
-    ]
-    if best.measured_step is not None:
-        lines.append(
-            f"  measured: M={best.chunks} took {best.measured_step * 1e3:.2f} ms a step (the "
-            "median of the real steps --verify ran); the plans are ranked by what was measured"
-        )
-        return lines
-    _, high = best.predicted_range
-    close = [p for p in by_chunks.values() if p is not None and p is not best]
-    close = [p for p in close if p.predicted_step <= high]
-    if close:
-        names = ", ".join(f"M={p.chunks}" for p in sorted(close, key=lambda p: p.chunks))
-        lines.append(
-            f"  M={best.chunks} is within this host's noise of {names}: their predicted ranges "
-            "overlap, and the plan with fewer micro-batches is listed first (fewer hand-offs, "
-            "the cost a profile sees least); --verify runs them and ranks by measured time"
-        )
-        return lines
-    larger = [p for m, p in sorted(by_chunks.items()) if m > 1 and p is not None]
-    if best.chunks == 1 and larger:
-        other = larger[0]
-        lines.append(
-            f"  M=1 leaves the largest bubble ({best.bubble:.0%} of the devices' time idle), "
-            f"yet M={other.chunks} is predicted slower ({other.predicted_step * 1e3:.2f} ms "
-            f"against {best.predicted_step * 1e3:.2f}, bubble {other.bubble:.0%}): on these "
-            "profiled costs its micro-batches together take longer than the whole batch at "
-            "once (small layers pay a fixed cost per call, and cpu stages share this host's "
-            "cores), more than the bubble they fill. A larger --batch-size or model "
-            "lets micro-batches pay off; --chunks picks them by hand."
-        )
-    elif best.chunks == 1:
-        lines.append("  M=1: no larger micro-batch count fits the memory budget")
-    return lines
-
-
-def _said(plan: Plan | None) -> str:
-    """One candidate in the why line: over the budget, its predicted range, what it measured."""
-    if plan is None:
-        return "over the budget"
-    low, high = (f"{t * 1e3:.2f}" for t in plan.predicted_range)
-    said = f"{low} ms" if low == high else f"{low}–{high} ms"
-    if plan.measured_step is not None:
-        said += f" (measured {plan.measured_step * 1e3:.2f})"
-    return said
 
 
 def _size(text: str) -> int:
