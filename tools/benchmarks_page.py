@@ -24,7 +24,8 @@ ROOT = Path(__file__).resolve().parent.parent
 BENCHMARKS = ROOT / "benchmarks"
 RUNS = BENCHMARKS / "runs"
 PAGE = ROOT / "docs" / "benchmarks.md"
-HELPERS = {"torch_reference", "host"}  # imported by the others; print nothing of their own
+# Imported by the others; they print nothing of their own.
+HELPERS = {"torch_reference", "host", "plan_models"}
 # Runs this page shows from their saved report but never reruns: they need a GPU this host
 # lacks, and a rerun here would replace the GPU's figures the docs cite.
 SAVED_ONLY = {"gpu_check"}
