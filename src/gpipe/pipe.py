@@ -222,7 +222,9 @@ class GPipe(PipeCore):
             TypeError: ``module`` is not the kind of model the plan was made for.
         """
         chosen = cast("Plan", getattr(plan, "best", plan))
-        return cls(chosen.pipe_module(module), **chosen.pipe_kwargs())
+        # NOTE: a plan-like object of one's own (pipe_kwargs only) pipes the module as given
+        built = chosen.pipe_module(module) if hasattr(chosen, "pipe_module") else module
+        return cls(built, **chosen.pipe_kwargs())
 
     # -- nn.Sequential-like access to the user's layers --------------------------------
 
