@@ -92,7 +92,9 @@ def _check_compiled_dropout(backend: str) -> None:
     assert counting.calls == 4 * 2  # routed, yet compiled
     always = _pipe_grads(model, [2, 2], "always")
     assert all(torch.equal(a, b) for a, b in zip(never, always))  # recomputation replays
-    assert counting.calls == 4 * 2 + 4 * 2 * 2
+    # NOTE: at least one compiled run per layer call and recomputation (an eager recompute
+    # would leave 16); two stage threads compiling at once can split a graph once more
+    assert counting.calls >= 4 * 2 + 4 * 2 * 2
     assert_close(_pipe_grads(model, [4], "except_last"), expected)  # the owned-generator path
 
 

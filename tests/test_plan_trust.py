@@ -49,10 +49,10 @@ TRUE_SECONDS_PER_ROW = {"Linear": 20e-6, "ReLU": 2e-6}
 @pytest.fixture
 def bursty_host(monkeypatch: pytest.MonkeyPatch) -> Callable[[int], None]:
     """A host where other work comes in long bursts: every layer run pays its true cost,
-    times 3-30 while a burst lasts. A burst covers three rounds' worth of runs in a row
-    (three of each layer's five timed runs: more than a median can ignore), at a place in
-    the timed rounds the seed picks: call the returned function with a seed before each
-    profile."""
+    times 3-30 while a burst lasts (the seed draws how much, run by run). A burst covers
+    the middle three of the five timed rounds (three of each layer's five runs: more than
+    a median can ignore; a clean round left in each half, so no drift either): call the
+    returned function with a seed before each profile."""
     state: dict[str, Any] = {}
 
     def fake_run(layer: nn.Module, value: Any, device: Any, split: bool) -> tuple[float, ...]:
@@ -66,9 +66,10 @@ def bursty_host(monkeypatch: pytest.MonkeyPatch) -> Callable[[int], None]:
     def reseed(seed: int) -> None:
         state["rng"] = random.Random(seed)
         state["calls"] = 0
-        # sizes 8, 4, 2, 1 (chunks 1, 2, 4, 8 of 8 rows), 13 layers: 52 runs per round,
-        # 2 warm-up rounds and 5 timed ones
-        state["burst"] = (state["rng"].randrange(2 * 52, 4 * 52), 3 * 52)
+        # sizes 8, 4, 2, 1 (chunks 1, 2, 4, 8 of 8 rows), 13 layers: 52 runs per round and
+        # way of timing (see layer_timing), 2 warm-up rounds and 5 timed ones
+        runs = 52 * len(layer_timing._thread_ways(torch.device("cpu")))
+        state["burst"] = (3 * runs + 1, 3 * runs)
 
     monkeypatch.setattr(layer_timing, "run_once", fake_run)
     reseed(0)

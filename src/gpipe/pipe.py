@@ -224,7 +224,7 @@ class GPipe(PipeCore):
         chosen = cast("Plan", getattr(plan, "best", plan))
         # NOTE: a plan-like object of one's own (pipe_kwargs only) pipes the module as given
         built = chosen.pipe_module(module) if hasattr(chosen, "pipe_module") else module
-        return cls(built, **chosen.pipe_kwargs())
+        return cls(cast("nn.Sequential | Stages", built), **chosen.pipe_kwargs())
 
     # -- nn.Sequential-like access to the user's layers --------------------------------
 
