@@ -98,9 +98,24 @@ def retries(steps: int, measure_from: int) -> Any:
     return {"readings": readings, "open": open_things, "failures": failures}
 
 
+def _channel_keys(pipe: Any, world: int) -> list[str]:
+    """Every key the pipe's fault channel reads or waits on (see fault_channel.py)."""
+    faults = pipe._guard.faults
+    return [
+        faults._key,  # the failure record
+        f"{faults._key}/heard",  # acknowledgements: a counter
+        f"{faults._key}/heard/all",  # ... and the key every rank waits on
+        *(faults._wake(rank) for rank in range(world)),  # each watcher's wake-up key
+        *(faults._heartbeat._alive(rank) for rank in range(world)),  # each rank's beats
+    ]
+
+
 def forged_records(steps: int = 4) -> Any:
-    """After the first step, a client of the store that is not a rank writes a failure record
-    and wakes every watcher, signed and unsigned; the job must train on, equal to plain."""
+    """After the first step, a client of the store that is not a rank keeps writing every
+    key the fault channel reads, with values a rank never wrote: failure records signed
+    under no token or with the old unsigned format, wake-ups for every watcher, beats that
+    say a rank is stuck, acknowledgements. The job must train on, equal to plain, with no
+    failure heard; ``writes`` says how many forged writes it took."""
     me, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(1)
     x = torch.randn(4, WIDTH, dtype=torch.float64)
@@ -109,6 +124,9 @@ def forged_records(steps: int = 4) -> Any:
     pipe = gd.DistributedGPipe(model, chunks=2)
     pipe.train_step(x, y, nn.functional.mse_loss)
     dist.barrier()
+    stop, writes = threading.Event(), [0]
+    errors: list[str] = []
+    forging = None
     if me == 0:
         forger = dist.TCPStore(
             os.environ["MASTER_ADDR"],
@@ -116,20 +134,50 @@ def forged_records(steps: int = 4) -> Any:
             is_master=False,
             timeout=datetime.timedelta(seconds=10),
         )
-        prefix = pipe._guard.faults._prefix
+        keys = _channel_keys(pipe, world)
         fake = {"rank": 1, "error": "forged", "stage": None, "microbatch": None, "action": None}
-        forged = json.dumps({"failure": json.dumps(fake), "mac": "0" * 64})
-        forger.set(f"{prefix}/failure", forged)
-        forger.set(f"{prefix}/failure", json.dumps(fake))  # unsigned, as the old format
-        for rank in range(world):
-            forger.set(f"{prefix}/wake/{rank}", b"failure")
+        stuck = {"beat": 10**9, "busy": True, "entered": 1, "done": 0, "waiting": False}
+        values = [
+            json.dumps({"failure": json.dumps(fake), "mac": "0" * 64}),  # no token's MAC
+            json.dumps({"body": json.dumps(fake), "mac": "0" * 64}),
+            json.dumps(fake),  # unsigned, as the old format
+            json.dumps({"body": json.dumps(stuck), "mac": "0" * 64}),
+            json.dumps(stuck),
+            "failure",
+        ]
+
+        def forge() -> None:
+            try:
+                while not stop.is_set():
+                    for key in keys:
+                        for value in values:
+                            forger.set(key, value)
+                            writes[0] += 1
+                    stop.wait(0.02)
+            except Exception as error:  # the test fails on it: the forging stopped
+                errors.append(repr(error))
+
+        forging = threading.Thread(target=forge)
+        forging.start()
+        time.sleep(0.3)
     dist.barrier()
-    for param in model.parameters():
-        param.grad = None
-    loss = pipe.train_step(x, y, nn.functional.mse_loss)
+    try:
+        for _ in range(steps - 1):
+            for param in model.parameters():
+                param.grad = None
+            loss = pipe.train_step(x, y, nn.functional.mse_loss)
+    finally:
+        stop.set()
+        if forging is not None:
+            forging.join()
     ref = _reference(partial(mlp, world), x, y, nn.functional.mse_loss)
     result = _compare(pipe, model, loss, ref)
-    heard = pipe._guard.faults.check()  # the forged record is not taken for a failure
+    heard = pipe._guard.faults.check()  # no forged record is taken for a failure
     pipe.close()
     gc.collect()
-    return {**result, "heard": None if heard is None else heard.error}
+    return {
+        **result,
+        "heard": None if heard is None else heard.error,
+        "writes": writes[0],
+        "errors": errors,
+    }

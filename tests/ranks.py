@@ -208,18 +208,28 @@ def _leave_together(grace: float = 5.0) -> None:
     """Wait (a little) for every rank to finish before leaving.
 
     NOTE: started by hand, rank 0's process hosts the c10d store; torchrun's agent would
-    keep it alive for the slower ranks, so the harness does the same.
+    keep it alive for the slower ranks, so the harness does the same. A store whose host a
+    test stopped (SIGSTOP) answers nothing: the wait runs in a thread, given up after
+    ``grace`` s.
     """
+    import threading
+
     import torch.distributed as dist
 
     if not dist.is_initialized():
         return
-    try:
-        store = dist.distributed_c10d._get_default_store()
-        count = store.add("harness/done", 1)
-        deadline = time.monotonic() + grace
-        while count < dist.get_world_size() and time.monotonic() < deadline:
-            time.sleep(0.05)
-            count = store.add("harness/done", 0)
-    except Exception:
-        return
+
+    def wait() -> None:
+        try:
+            store = dist.distributed_c10d._get_default_store()
+            count = store.add("harness/done", 1)
+            deadline = time.monotonic() + grace
+            while count < dist.get_world_size() and time.monotonic() < deadline:
+                time.sleep(0.05)
+                count = store.add("harness/done", 0)
+        except Exception:
+            return
+
+    waiter = threading.Thread(target=wait, daemon=True)
+    waiter.start()
+    waiter.join(grace + 1.0)

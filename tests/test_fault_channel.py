@@ -198,7 +198,7 @@ def test_a_silent_store_names_rank_0_that_hosts_it_within_its_bound() -> None:
     assert time.monotonic() - started < 10
     store.frozen.clear()  # the host resumes: the threads left waiting on it end
     store._never.set()
-    store.store.set("p/wake/1", b"closed")
+    store.store.set(f"{channel._prefix}/wake/1", b"closed")
 
 
 def test_a_forged_failure_record_is_ignored_and_a_real_one_replaces_it() -> None:
@@ -206,8 +206,8 @@ def test_a_forged_failure_record_is_ignored_and_a_real_one_replaces_it() -> None
     heard: list[Failure] = []
     channel = FaultChannel(store, "p", 0, heard.append, world=1, token=b"secret")
     forged = {"failure": json.dumps({"rank": 3, "error": "x"}), "mac": "0" * 64}
-    store.store.set("p/failure", json.dumps(forged).encode())
-    store.store.set("p/wake/0", b"failure")
+    store.store.set(f"{channel._prefix}/failure", json.dumps(forged).encode())
+    store.store.set(f"{channel._prefix}/wake/0", b"failure")
     time.sleep(0.5)
     assert heard == [] and channel.check() is None
     first = channel.publish(Failure(0, "ValueError: real"))
@@ -270,3 +270,111 @@ def test_a_collectives_work_is_freed_on_the_waiting_thread_not_its_helper() -> N
         wait_for(work, None, lambda: None, 0)
         del work
     assert freed == [threading.current_thread().name] * 20
+
+
+def test_a_restarted_attempt_reads_nothing_an_earlier_attempt_wrote() -> None:
+    """torchrun hands every attempt the same store: the earlier attempt's failure record,
+    beats and acknowledgements must not reach the next (same prefix, same token even)."""
+    store = Counting()
+    heard: list[Failure] = []
+    old = FaultChannel(store, "p", 0, lambda failure: None, world=2, token=b"k", attempt=0)
+    old.progress = lambda: {"done": 0, "waiting": True}
+    with old.busy():
+        time.sleep(1.2)  # one beat written
+    old.publish(Failure(1, "ValueError: the earlier attempt's"))
+    old.acknowledge(2, grace=0.1)
+    old.close()
+    new = FaultChannel(store, "p", 0, heard.append, world=2, token=b"k", attempt=1)
+    try:
+        time.sleep(0.3)  # a watcher woken by the earlier attempt's wake key would hear it
+        assert heard == [] and new.check() is None
+        assert new._heartbeat._records([0]) == {0: None}  # no beat of the earlier attempt
+        assert store.store.add(f"{new._prefix}/failure/heard", 0) == 0  # nobody heard yet
+        assert new._prefix != old._prefix and new._prefix.endswith("attempt-1")
+    finally:
+        new.close()
+
+
+def test_the_attempt_comes_from_torchruns_restart_count(monkeypatch: Any) -> None:
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "3")
+    channel = FaultChannel(dist.HashStore(), "p", 0, lambda failure: None, world=1)
+    assert channel._prefix == "p/attempt-3"
+    channel.close()
+
+
+def test_beats_a_rank_did_not_seal_never_make_a_silent_rank_look_alive() -> None:
+    """Another client of the store may write any beat key: an unsealed record, a rank's last
+    record written back again and again, or one rank's record copied under another's key.
+    None of them counts as a beat, so the silent rank is still named. (What such a client
+    can do, replaying a rank's earlier records in turn, is said in docs/distributed.md.)"""
+    with _channels(3) as channels:
+        for channel in channels:
+            channel.progress = lambda: {"done": 0, "waiting": True}
+            channel._heartbeat._busy = 1
+        time.sleep(0.35)
+        channels[1].close()  # rank 1 falls silent
+        prefix = channels[0]._prefix
+        store = channels[0]._store
+        old = store.get(f"{prefix}/alive/1")
+        forged = json.dumps({"beat": 10**9, "busy": True, "entered": 1, "done": 5})
+        forgers = [
+            lambda: store.set(f"{prefix}/alive/1", forged),  # unsealed
+            lambda: store.set(f"{prefix}/alive/1", old),  # written back
+            lambda: store.set(f"{prefix}/alive/1", store.get(f"{prefix}/alive/2")),  # copied
+        ]
+        for forge in forgers:
+            store.set(f"{prefix}/alive/1", old)
+            stop = threading.Event()
+
+            def keep_forging(forge: Any = forge, stop: threading.Event = stop) -> None:
+                while not stop.wait(0.01):
+                    forge()
+
+            thread = threading.Thread(target=keep_forging)
+            thread.start()
+            try:
+                failure = channels[0].culprit(2, "rank 0 got nothing from rank 2", [0, 1, 2])
+            finally:
+                stop.set()
+                thread.join()
+            assert failure.rank == 1 and "stopped answering" in failure.error, failure
+
+
+def test_a_broken_link_names_its_peer_first_once_its_silence_is_established() -> None:
+    """Two ranks fell silent: the one at the other end of the broken link is named, not the
+    first in rank order; a live peer is not named while another rank is silent."""
+    with _channels(4) as channels:
+        for channel in channels:
+            channel.progress = lambda: {"done": 0, "waiting": True}
+            channel._heartbeat._busy = 1
+        time.sleep(0.35)
+        channels[1].close()
+        channels[3].close()
+        failure = channels[2].culprit(3, "rank 2 lost its link to rank 3", [0, 1, 2, 3])
+        assert failure.rank == 3 and "stopped answering" in failure.error, failure
+        failure = channels[2].culprit(0, "rank 2 lost its link to rank 0", [0, 1, 2, 3])
+        assert failure.rank == 1, failure  # rank 0 beats: the silent rank 1 is named
+
+
+def test_a_link_error_inside_an_own_action_names_the_silent_rank_not_this_one() -> None:
+    from gpipe.distributed.blame import Blame, broken_link
+    from gpipe.schedule import Action
+    from gpipe.schedule.action import FORWARD
+
+    error = RuntimeError("[../gloo/transport/tcp/pair.cc:534] Connection closed by peer [x]:1")
+    error.gpipe_action = Action(FORWARD, 2, 0)  # type: ignore[attr-defined]
+    assert broken_link(error) and not broken_link(ValueError("boom"))
+    with _channels(4) as channels:
+        for channel in channels:
+            channel.progress = lambda: {"done": 0, "waiting": True}
+            channel._heartbeat._busy = 1
+        time.sleep(0.35)
+        channels[3].close()  # rank 3 died
+        failure = Blame(2, 30.0, channels[2].culprit).own(error)
+        assert failure.rank == 3 and "stopped answering" in failure.error, failure
+        assert "rank 2 lost a link in" in failure.error, failure
+        boom = ValueError("boom")
+        boom.gpipe_action = error.gpipe_action  # type: ignore[attr-defined]
+        started = time.monotonic()
+        own = Blame(2, 30.0, channels[2].culprit).own(boom)  # its own error: named at once
+        assert own.rank == 2 and own.action == "2F0" and time.monotonic() - started < 0.2

@@ -22,9 +22,9 @@ from typing import Any
 
 import torch
 
-from gpipe.distributed.blame import Blame
+from gpipe.distributed.blame import Blame, Culprit
 from gpipe.distributed.failure import Failure, PipelineFailure
-from gpipe.distributed.posting import Message, Poster, poster_for
+from gpipe.distributed.posting import Message, Poster, peer_of, poster_for
 from gpipe.distributed.signature_rounds import (
     Incoming,
     Outgoing,
@@ -77,7 +77,7 @@ class Executor:
         timeout: float,
         report: Callable[[Failure], Failure],
         overlap: bool = True,
-        blame: Callable[[int, str], Failure] | None = None,
+        blame: Culprit | None = None,
     ) -> None:
         self._placement = placement
         self._device = device
@@ -185,7 +185,7 @@ class Executor:
             except Aborted:
                 pass
             except TimeoutError as error:
-                self.fail(self._blame.unsent(error))
+                self.fail(self.failure or self._blame.unsent(error, peer_of(error)))
         if self.failure is not None:
             raise PipelineFailure(self.failure, self._rank)
         self._signatures.learned(self._key)
@@ -246,16 +246,23 @@ class Executor:
             signatures, changed = self._signatures.agree(self._key, outgoing, incoming)
         except Aborted:
             raise self._raised() from None
-        except TimeoutError:
-            self.fail(self._blame.no_signature())
+        except TimeoutError as error:
+            self.fail(self.failure or self._blame.no_signature(peer_of(error)))
             raise self._raised() from None
+        except Exception as error:
+            self._refused(error)
+            raise
         messages = [Message(True, peer, tensors) for _, peer, _, tensors in outgoing]
         for tag, peer in incoming:
             buffers = receive_buffers(signatures[tag], self._torch_device)
             message = Message(False, peer, buffers)
             self._receipts[tag] = _Receipt(message, signatures[tag])
             messages.append(message)
-        self._poster.post(messages)
+        try:
+            self._poster.post(messages)
+        except Exception as error:
+            self._refused(error)
+            raise
         self.transfer_log.handed(outgoing)
         if not self.overlap:
             for message in messages:
@@ -277,8 +284,18 @@ class Executor:
         return PipelineFailure(self.failure, self._rank)
 
     def _link_failed(self, peer: int, error: BaseException) -> None:
-        """A link to ``peer`` broke (the poster's callback): name the rank that failed."""
-        self.fail(self.failure or self._blame.lost_link(peer, error))
+        """A link to ``peer`` (-1: not known) broke (the poster's callback, or a post the link
+        refused): name the rank that failed."""
+        if self.failure is None:
+            self.fail(self._blame.lost_link(peer, error) if peer >= 0 else self._blame.own(error))
+
+    def _refused(self, error: Exception) -> None:
+        """A post raised ``error``: a link its poster says refused it (the peer may be gone)
+        goes to the culprit, as a broken link does, and this rank's worker stops there, not
+        taking the link's error for its own action's."""
+        if peer_of(error) >= 0:
+            self._link_failed(peer_of(error), error)
+            raise self._raised() from None
 
     def _heard(self, failure: Failure) -> None:
         if self.failure is None:

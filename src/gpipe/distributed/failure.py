@@ -1,5 +1,6 @@
 """What failed, where: the record every rank of a distributed pipe names, and the error it
-raises; records travel through the store signed under a token only the ranks share."""
+raises; records travel through the store sealed under a token only the ranks share, each
+bound to the key it was written under (so a record copied to another key is not taken)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from dataclasses import asdict, dataclass
 
 from gpipe.runtime.transport import Aborted
 
-__all__ = ["Failure", "PipelineFailure", "brief", "signed", "verified"]
+__all__ = ["Failure", "PipelineFailure", "brief", "opened", "sealed", "signed", "verified"]
 
 # gloo's "[path/file.cc:123] " before its message
 _SOURCE_LINE = re.compile(r"^\[[^\]]*:\d+\] ")
@@ -58,23 +59,40 @@ class PipelineFailure(Aborted, RuntimeError):
         self.failure = failure
 
 
-def signed(failure: Failure, token: bytes) -> bytes:
-    """``failure`` as the store keeps it: its fields and their MAC under ``token``."""
-    body = json.dumps(asdict(failure), sort_keys=True)
-    return json.dumps({"failure": body, "mac": _mac(body, token)}).encode()
+def sealed(body: str, key: str, token: bytes) -> bytes:
+    """``body`` as the store keeps it under ``key``: the text and its MAC under ``token``."""
+    return json.dumps({"body": body, "mac": _mac(key, body, token)}).encode()
 
 
-def verified(payload: bytes, token: bytes) -> Failure | None:
-    """The failure in ``payload``, or None if its MAC is not ``token``'s (a forged record)."""
+def opened(payload: bytes, key: str, token: bytes) -> str | None:
+    """The text :func:`sealed` put in ``payload`` for ``key``; None if its MAC is not
+    ``token``'s for that key (forged, or copied from another key)."""
     try:
         record = json.loads(payload.decode())
-        body, mac = record["failure"], record["mac"]
-        if not hmac.compare_digest(mac, _mac(body, token)):
-            return None
-        return Failure(**json.loads(body))
+        body, mac = record["body"], record["mac"]
+        if isinstance(body, str) and hmac.compare_digest(str(mac), _mac(key, body, token)):
+            return body
     except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+        pass
+    return None
+
+
+def signed(failure: Failure, key: str, token: bytes) -> bytes:
+    """``failure`` as the store keeps it under ``key``: its fields, sealed."""
+    return sealed(json.dumps(asdict(failure), sort_keys=True), key, token)
+
+
+def verified(payload: bytes, key: str, token: bytes) -> Failure | None:
+    """The failure in ``payload`` (read from ``key``), or None if it is not sealed under
+    ``token`` for that key (a forged record)."""
+    body = opened(payload, key, token)
+    if body is None:
+        return None
+    try:
+        return Failure(**json.loads(body))
+    except (ValueError, TypeError):
         return None
 
 
-def _mac(body: str, token: bytes) -> str:
-    return hmac.new(token, body.encode(), hashlib.sha256).hexdigest()
+def _mac(key: str, body: str, token: bytes) -> str:
+    return hmac.new(token, f"{key}\n{body}".encode(), hashlib.sha256).hexdigest()

@@ -11,9 +11,12 @@ never come. A rank that stops answering reports nothing: its beats name it inste
 :mod:`gpipe.distributed.heartbeat`).
 
 Every request to the store is bounded (see :mod:`gpipe.distributed.store_requests`). Failure
-records carry a MAC under a token only the ranks know, so another client of the store cannot
-stop the job by writing one. The store is torch.distributed's own (the one the process group
-was initialized with).
+records and beats carry a MAC under a token only the ranks know, bound to their key, so
+another client of the store cannot stop the job by writing one, nor forge a beat (what it
+can do is said in docs/distributed.md, "When something fails"). Keys name the launcher's
+restart attempt (torchrun's ``TORCHELASTIC_RESTART_COUNT``): a restarted job never reads
+what an earlier attempt wrote (its failure record, its beats, its acknowledgements). The
+store is torch.distributed's own (the one the process group was initialized with).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from typing import Any
 
 from gpipe.distributed.failure import Failure, signed, verified
 from gpipe.distributed.heartbeat import BEAT, Heartbeat
+from gpipe.distributed.restarts import attempt as restart_attempt
 from gpipe.distributed.store_requests import (
     StoreRequests,
     StoreSilent,
@@ -48,14 +52,17 @@ class FaultChannel:
 
     Args:
         store: the c10d store every rank shares.
-        prefix: keys are ``prefix + "/failure"``, ``prefix + "/wake/<rank>"`` and
-            ``prefix + "/alive/<rank>"``: one set per pipe, so pipes never mix.
+        prefix: keys are ``<prefix>/attempt-<attempt>/`` followed by ``failure``,
+            ``wake/<rank>`` and ``alive/<rank>``: one set per pipe and attempt, so pipes
+            and restarts never mix.
         rank: this rank.
         on_failure: called (in the watcher thread) with the first failure any rank reports.
         world: how many ranks watch (a failure wakes each).
         token: a secret only the ranks share; failure records without its MAC are ignored.
         beat: seconds between beats while busy.
         ask: seconds a store request may take before the store counts as silent.
+        attempt: the launcher's restart attempt (default: torchrun's, see
+            :func:`gpipe.distributed.restarts.attempt`).
     """
 
     def __init__(
@@ -69,12 +76,17 @@ class FaultChannel:
         token: bytes = b"",
         beat: float = BEAT,
         ask: float = ASK,
+        attempt: int | None = None,
     ) -> None:
+        if attempt is None:
+            attempt = restart_attempt()
         self._ask = StoreRequests(store, ask, f"gpipe-store-rank{rank}")
         self._store = store
         self._waiter: Any = borrow_client(store)  # NOTE: blocked in wait: a client of its own
         self._waiter_clean = True
-        self._prefix = prefix
+        # NOTE: torchrun hands every attempt the same store, and the clients borrowed here
+        # see its keys under no prefix (see borrow_client): the attempt is in the keys
+        self._prefix = prefix = f"{prefix}/attempt-{attempt}"
         self._key = f"{prefix}/failure"
         self._rank = rank
         self._world = world
@@ -85,7 +97,9 @@ class FaultChannel:
         self._failed = threading.Event()  # set with self.failure
         self._listeners: set[threading.Event] = set()  # also set then (see waiting.wait_for)
         self.failure: Failure | None = None
-        self._heartbeat = Heartbeat(self._ask, prefix, rank, world, beat, f"gpipe-beats-rank{rank}")
+        self._heartbeat = Heartbeat(
+            self._ask, prefix, rank, world, beat, f"gpipe-beats-rank{rank}", token
+        )
         self._thread = threading.Thread(
             target=self._watch, name=f"gpipe-faults-rank{rank}", daemon=True
         )
@@ -104,10 +118,16 @@ class FaultChannel:
         """Beat while inside (see :meth:`Heartbeat.busy`)."""
         return self._heartbeat.busy()
 
-    def culprit(self, suspect: int, what: str, ranks: Sequence[int] | None = None) -> Failure:
+    def culprit(
+        self,
+        suspect: int,
+        what: str,
+        ranks: Sequence[int] | None = None,
+        fallback: Failure | None = None,
+    ) -> Failure:
         """Whom to name when this rank's wait for ``suspect`` failed (see
         :meth:`Heartbeat.culprit`): a failure reported meanwhile wins."""
-        return self._heartbeat.culprit(suspect, what, ranks, self._reported)
+        return self._heartbeat.culprit(suspect, what, ranks, self._reported, fallback)
 
     def publish(self, failure: Failure) -> Failure:
         """Report ``failure`` unless another rank already reported one; return the first.
@@ -116,10 +136,10 @@ class FaultChannel:
         even when a failure on one rank makes its neighbours fail too. A record that is not
         ours (no valid MAC: written by another client of the store) is overwritten.
         """
-        payload = signed(failure, self._token)
+        payload = signed(failure, self._key, self._token)
         try:
             first = self._ask("compare_set", self._key, b"", payload)
-            winner = verified(first, self._token) if first else failure
+            winner = verified(first, self._key, self._token) if first else failure
             if winner is None:  # a forged record sits there: ours replaces it
                 self._ask("set", self._key, payload)
                 winner, first = failure, payload
@@ -140,7 +160,7 @@ class FaultChannel:
         if self.failure is None:
             try:
                 if self._ask("check", [self._key]):
-                    found = verified(self._ask("get", self._key), self._token)
+                    found = verified(self._ask("get", self._key), self._key, self._token)
                     if found is not None:
                         self._heard(found)
             except StoreSilent:

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from gpipe.distributed.blame import broken_link
 from gpipe.distributed.failure import Failure, PipelineFailure, brief
 from gpipe.distributed.fault_channel import FaultChannel
 from gpipe.distributed.mesh import Groups, collective_device, everyone, retire, retire_everyone
@@ -76,6 +77,7 @@ class PipeGuard:
         self.transport: Any = None  # the Executor, once built
         self.state: StepState | None = None  # the step under way
         self._waits = 0  # collectives this rank waits in now (see progress)
+        self._working: str | None = None  # local work inside a wait (see working)
         # The default store is the one every rank already shares (torchrun's agent's or
         # rank 0's); torch offers no public accessor for it.
         store = dist.distributed_c10d._get_default_store()
@@ -101,16 +103,25 @@ class PipeGuard:
 
     @contextlib.contextmanager
     def building(self) -> Iterator[None]:
-        """Build under the channel: a rank that fails says so, and every rank ends."""
+        """Build under the channel: a rank that fails says so, and every rank ends.
+
+        A link that broke while building (torch.distributed's error) is a symptom: the rank
+        named is the fault channel's culprit (a reported failure, or the rank that fell
+        silent), raised here as a PipelineFailure like on every other rank.
+        """
         try:
             with self.faults.busy():
                 yield
         except BaseException as error:
+            named = None  # the failure to raise instead of ``error``, if any
             if not isinstance(error, PipelineFailure):
                 first = next(iter(str(error).splitlines()), "")
-                self.faults.publish(
-                    Failure(self.rank, f"{type(error).__name__} while building the pipe: {first}")
-                )
+                own = Failure(self.rank, f"{type(error).__name__} while building the pipe: {first}")
+                if broken_link(error):
+                    what = f"rank {self.rank} lost a link while building the pipe ({brief(error)})"
+                    named = self.faults.publish(self.faults.culprit(-1, what, fallback=own))
+                else:
+                    self.faults.publish(own)
             self.faults.acknowledge(self.world)
             self.faults.close()
             # A collective of construction may still be posted here (the others' barrier
@@ -119,6 +130,8 @@ class PipeGuard:
                 retire(self.groups, self.tie_groups)
             retire_everyone(self.everyone)
             _OPEN.discard(self)
+            if named is not None:
+                raise PipelineFailure(named, self.rank) from error
             raise
 
     @contextlib.contextmanager
@@ -143,6 +156,49 @@ class PipeGuard:
                 self.faults.acknowledge(self.world)
                 self.release()
             raise
+
+    @contextlib.contextmanager
+    def running(self, what: str) -> Iterator[None]:
+        """Run a save or a load (``what``: "saving", "committing", "loading") so that a
+        failure on any rank ends it on every rank within the timeout, naming the rank and
+        ``what``. This rank's own error is told to the others (who may be waiting in a
+        collective for it) and raised here as it is; another rank's comes as a
+        PipelineFailure. Either way the pipe is released: build a new one to go on."""
+        assert self.groups is not None
+        if self.groups.retired:
+            raise RuntimeError(
+                "this pipe's process groups were ended after a call of another pipe over "
+                "them failed: build a new DistributedGPipe"
+            )
+        try:
+            with self.faults.busy():
+                yield
+        except BaseException as error:
+            if getattr(error, "gpipe_alike", False):
+                raise  # raised alike on every rank (see checkpoint_calls.agreed): no failure
+            if not isinstance(error, PipelineFailure) and self.failure is None:
+                first = next(iter(str(error).splitlines()), "") or type(error).__name__
+                self.transport.fail(
+                    Failure(self.rank, f"{type(error).__name__} while {what}: {first}")
+                )
+            if self.failure is not None:
+                self.faults.acknowledge(self.world)
+                self.release()
+                # NOTE: a checkpoint's collectives run on this group: one may still be
+                # posted, on this rank or another
+                retire_everyone(self.everyone)
+            raise
+
+    @contextlib.contextmanager
+    def working(self, what: str) -> Iterator[None]:
+        """This rank does its own work (``what``: writing a checkpoint's files) in a thread
+        its main thread waits for: while it does, its beats say it is not waiting for the
+        others, so a rank stuck there is the one named when the others' waits fail."""
+        self._working = what
+        try:
+            yield
+        finally:
+            self._working = None
 
     def fail(self, reason: str) -> PipelineFailure:
         """Fail the step on every rank for ``reason`` (found on this rank); the error to raise."""
@@ -191,7 +247,10 @@ class PipeGuard:
         transport = self.transport
         done = 0 if transport is None else transport.done
         waiting = self._waits > 0 or (transport is not None and transport.waiting)
-        return {"done": done, "waiting": waiting, "doing": "a step" if transport else "building"}
+        doing = "a step" if transport else "building"
+        if self._working is not None:  # NOTE: its own work, though a wait holds its main thread
+            waiting, doing = False, self._working
+        return {"done": done, "waiting": waiting, "doing": doing}
 
     def _on_failure(self, failure: Failure) -> None:
         state = self.state

@@ -4,7 +4,12 @@ whose wait for a peer fails can name the rank that stopped answering.
 A rank that stops answering (stopped with SIGSTOP, a hung kernel, a deadlocked hook) reports
 nothing itself. Its beats say it instead: the rank that fell silent, or the one that beats
 but is stuck in an action, is named rather than the neighbour whose link happened to break
-first.
+first. A broken link is a symptom: the rank at its other end is named once its silence is
+established, and before any other rank found silent.
+
+Beats are sealed under the ranks' token, bound to their key, and a rank counts as alive
+only if its beat count grew: a client of the store that is not a rank cannot forge a beat,
+nor write what a rank is doing (what it can do is said in docs/distributed.md).
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from gpipe.distributed.failure import Failure, brief
+from gpipe.distributed.failure import Failure, brief, opened, sealed
 from gpipe.distributed.store_requests import StoreRequests, StoreSilent
 
 __all__ = ["BEAT", "Heartbeat"]
@@ -34,16 +39,25 @@ class Heartbeat:
         world: how many ranks beat.
         beat: seconds between beats while busy.
         name: the beating thread's name.
+        token: the secret the ranks share; beats not sealed under it are not read.
     """
 
     def __init__(
-        self, ask: StoreRequests, prefix: str, rank: int, world: int, beat: float, name: str
+        self,
+        ask: StoreRequests,
+        prefix: str,
+        rank: int,
+        world: int,
+        beat: float,
+        name: str,
+        token: bytes = b"",
     ) -> None:
         self._ask = ask
         self._prefix = prefix
         self._rank = rank
         self._world = world
         self.beat = beat
+        self._token = token
         self._lock = threading.Lock()
         self._left = threading.Event()  # wakes the beats: the rank left its step, or stopped
         self._stopped = False
@@ -83,15 +97,16 @@ class Heartbeat:
         what: str,
         ranks: Sequence[int] | None,
         reported: Callable[[float], Failure | None],
+        fallback: Failure | None = None,
     ) -> Failure:
         """Whom to name when this rank's wait for ``suspect`` failed (``what`` happened).
 
         The failure some rank reported (``reported(seconds)`` waits that long for one), if one
         comes while the beats of ``ranks`` are watched for ``3 * beat`` s; else the first rank
         whose beats stopped (stopped, or dead), else the first that beats but made no progress
-        outside a wait (stuck in an action or a hook), else ``suspect``. A store that does not
-        answer names rank 0, which hosts it when launched by hand (torchrun's agent hosts it
-        otherwise).
+        outside a wait (stuck in an action or a hook), ``suspect`` first among them; else
+        ``fallback`` if given, else ``suspect`` (-1: none). A store that does not answer names
+        rank 0, which hosts it when launched by hand (torchrun's agent hosts it otherwise).
         """
         others = [r for r in (range(self._world) if ranks is None else ranks) if r != self._rank]
         try:
@@ -108,6 +123,9 @@ class Heartbeat:
         if heard is not None:
             return heard
         seconds = f"{3 * self.beat:g}"
+        # NOTE: the rank at the other end first: the link that broke, or the wait that failed,
+        # is its doing if it fell silent, whatever else is found
+        others.sort(key=lambda r: r != suspect)
         # NOTE: a rank that left this very step (its part done) is no suspect until the
         # others are cleared; one whose last record is an earlier step's is
         idle = [
@@ -117,8 +135,7 @@ class Heartbeat:
             and record.get("entered", 0) >= self._entered
         ]
         for rank in others:
-            now = after[rank]
-            if rank not in idle and (now is None or now == before[rank]):
+            if rank not in idle and not _beat_since(before[rank], after[rank]):
                 return Failure(
                     rank,
                     f"it stopped answering (no sign of life in {seconds} s: stopped or killed, "
@@ -139,6 +156,8 @@ class Heartbeat:
                 f"it is outside the pipe's step (its part done, or held up in your own code) "
                 f"while the others wait; {what}",
             )
+        if fallback is not None:
+            return fallback
         if suspect < 0:
             return Failure(-1, what)
         return Failure(
@@ -165,22 +184,33 @@ class Heartbeat:
             self._beats += 1
             record = {"beat": self._beats, "busy": busy, "entered": self._entered}
             record.update(self.progress())
+            key = self._alive(self._rank)
             try:
-                self._ask("set", self._alive(self._rank), json.dumps(record))
+                self._ask("set", key, sealed(json.dumps(record), key, self._token))
             except Exception:
                 return
 
     def _records(self, ranks: Sequence[int]) -> dict[int, dict[str, Any] | None]:
-        """Each of ``ranks``' last beat record (None where it never beat)."""
+        """Each of ``ranks``' last beat record (None where it never beat, or where what the
+        key holds is not sealed under the token: not a rank's)."""
         keys = [self._alive(r) for r in ranks]
         present = self._ask("check", keys) if keys else True
         records: dict[int, dict[str, Any] | None] = {}
         for rank, key in zip(ranks, keys):
             records[rank] = None
             if present or self._ask("check", [key]):
-                with contextlib.suppress(ValueError):
-                    records[rank] = json.loads(self._ask("get", key))
+                body = opened(self._ask("get", key), key, self._token)
+                with contextlib.suppress(ValueError, TypeError):
+                    records[rank] = None if body is None else dict(json.loads(body))
         return records
+
+
+def _beat_since(then: dict[str, Any] | None, now: dict[str, Any] | None) -> bool:
+    """Whether a rank beat between two readings of its record: its count grew (an older
+    record written back, by a client that is not a rank, is no beat)."""
+    if now is None:
+        return False
+    return int(now.get("beat", 0)) > int((then or {}).get("beat", 0))
 
 
 def _silent_store(what: str, how: str) -> Failure:

@@ -13,8 +13,9 @@ import torch
 import torch.distributed as dist
 
 from gpipe.distributed.mesh import device
+from gpipe.distributed.restarts import attempt
 
-__all__ = ["device", "init", "spawn"]
+__all__ = ["attempt", "device", "init", "spawn"]
 
 _NEEDED = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 # SLURM's names for what torchrun sets, for `srun python train.py` without torchrun.
@@ -84,8 +85,10 @@ def _attempt_store(timeout: datetime.timedelta) -> dist.Store | None:
     to the dead peer's port (measured with torch 2.13 and gloo, plain torch too: every
     restart failed when rank 0 came up 3 s late; once, a restart hung).
     """
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-    if attempt is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+    if (
+        "TORCHELASTIC_RESTART_COUNT" not in os.environ
+        or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+    ):
         return None
     agent = dist.TCPStore(
         os.environ["MASTER_ADDR"],
@@ -94,7 +97,7 @@ def _attempt_store(timeout: datetime.timedelta) -> dist.Store | None:
         is_master=False,
         timeout=timeout,
     )
-    return dist.PrefixStore(f"gpipe/attempt-{attempt}", agent)
+    return dist.PrefixStore(f"gpipe/attempt-{attempt()}", agent)
 
 
 def _shutdown() -> None:

@@ -33,7 +33,15 @@ import torch.distributed as dist
 
 from gpipe.runtime.mailbox import Mailbox
 
-__all__ = ["POSTER", "GlooPoster", "Message", "NcclPoster", "NcclRulesPoster", "poster_for"]
+__all__ = [
+    "POSTER",
+    "GlooPoster",
+    "Message",
+    "NcclPoster",
+    "NcclRulesPoster",
+    "peer_of",
+    "poster_for",
+]
 
 # Which poster a pipe on gloo uses: "gloo" (the default), "nccl-rules" (the test suite's
 # default, see tests/conftest.py) or "batched" (NcclPoster's path, one batch_isend_irecv per
@@ -125,6 +133,17 @@ class Poster:
         return known
 
 
+def peer_of(error: BaseException) -> int:
+    """The rank at the other end of the message whose posting or wait raised ``error``
+    (-1: not known)."""
+    return int(getattr(error, "gpipe_peer", -1))
+
+
+def _mark(error: BaseException, peer: int) -> None:
+    """Mark ``error`` with the rank at the other end of its message (see :func:`peer_of`)."""
+    error.gpipe_peer = peer  # type: ignore[attr-defined]
+
+
 def _wire(tensor: torch.Tensor) -> torch.Tensor:
     """What goes on the wire: a complex tensor as its real view (as torch's own isend does)."""
     return torch.view_as_real(tensor) if tensor.dtype.is_complex else tensor
@@ -148,7 +167,11 @@ class NcclPoster(Poster):
                 ops.append(dist.P2POp(op, _wire(tensor), group=self.group, group_peer=peer))
                 owners.append(message)
         now = time.perf_counter_ns()
-        works = dist.batch_isend_irecv(ops) if ops else []
+        try:  # NOTE: a link whose other end is gone may refuse the batch at once
+            works = dist.batch_isend_irecv(ops) if ops else []
+        except Exception as error:
+            _mark(error, batch[0].peer)
+            raise
         if len(works) == len(ops):
             for message, work in zip(owners, works):
                 message.works.append(work)
@@ -192,6 +215,7 @@ class GlooPoster(Poster):
         self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()  # receives (or all)
         self._sends: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._open = 0  # messages posted and not yet done
+        self._pending: dict[int, int] = {}  # the same messages' peers, by id, oldest first
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._thread = threading.Thread(target=self._run, name="gpipe-receives", daemon=True)
@@ -206,17 +230,22 @@ class GlooPoster(Poster):
         for message in batch:
             peer = self._group_rank(message.peer)
             message.posted_ns = time.perf_counter_ns()
-            if message.send:
-                message.works = [group.send([_wire(t)], peer, 0) for t in message.tensors]
-            else:
-                message.works = [group.recv([_wire(t)], peer, 0) for t in message.tensors]
-        with self._lock:
-            self._open += len(batch)
+            op = group.send if message.send else group.recv
+            try:  # NOTE: gloo refuses at once a link whose other end is gone
+                message.works = [op([_wire(t)], peer, 0) for t in message.tensors]
+            except Exception as error:
+                _mark(error, message.peer)
+                raise
+        self._opened(batch)
         self._jobs.put([message for message in batch if not message.send])
         self._sends.put([message for message in batch if message.send])
 
     def wait(self, message: Message) -> None:
-        self.box.take(id(message), self.timeout)  # type: ignore[arg-type]
+        try:
+            self.box.take(id(message), self.timeout)  # type: ignore[arg-type]
+        except TimeoutError as error:
+            _mark(error, message.peer)
+            raise
 
     def drain(self, failed: Callable[[], bool]) -> None:
         deadline = time.monotonic() + self.timeout
@@ -226,7 +255,9 @@ class GlooPoster(Poster):
                     return
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise TimeoutError(f"sends still open after {self.timeout:g} s")
+                    late = TimeoutError(f"sends still open after {self.timeout:g} s")
+                    _mark(late, next(iter(self._pending.values()), -1))
+                    raise late
                 self._idle.wait(min(left, 0.1))
 
     def close(self) -> None:
@@ -264,13 +295,23 @@ class GlooPoster(Poster):
                     self.on_error(message.peer, error)
                 finally:
                     message.works = []  # NOTE: a work ends here, not as the thread ends
-                    with self._lock:
-                        self._open -= 1
-                        if not self._open:
-                            self._idle.notify_all()
+                    self._closed([message])
             del batch
             if failed:
                 return
+
+    def _opened(self, batch: list[Message]) -> None:
+        with self._lock:
+            self._open += len(batch)
+            self._pending.update((id(message), message.peer) for message in batch)
+
+    def _closed(self, batch: list[Message]) -> None:
+        with self._lock:
+            self._open -= len(batch)
+            for message in batch:
+                self._pending.pop(id(message), None)
+            if not self._open:
+                self._idle.notify_all()
 
     def _complete(self, message: Message) -> None:
         for work in message.works:
@@ -293,8 +334,7 @@ class NcclRulesPoster(GlooPoster):
         now = time.perf_counter_ns()
         for message in batch:
             message.posted_ns = now
-        with self._lock:
-            self._open += len(batch)
+        self._opened(batch)
         self._jobs.put(batch)
 
     def _run(self, jobs: queue.SimpleQueue[Any] | None = None) -> None:
@@ -304,37 +344,37 @@ class NcclRulesPoster(GlooPoster):
             return
         group = self.group
         while (batch := self._jobs.get()) is not None:
+            if not batch:
+                continue
+            at = batch[0]  # the message under way: its peer is the one a failure is about
             try:
-                for message in batch:
-                    peer = self._group_rank(message.peer)
-                    op = group.send if message.send else group.recv
-                    message.works = [op([_wire(t)], peer, 0) for t in message.tensors]
-                    if message.send:
-                        message.works.append(group.recv([torch.empty(1)], peer, _ACK))
-                for message in batch:
-                    if not message.send:  # the data is here: the sender may complete
-                        for work in message.works:
+                for at in batch:
+                    peer = self._group_rank(at.peer)
+                    op = group.send if at.send else group.recv
+                    at.works = [op([_wire(t)], peer, 0) for t in at.tensors]
+                    if at.send:
+                        at.works.append(group.recv([torch.empty(1)], peer, _ACK))
+                for at in batch:
+                    if not at.send:  # the data is here: the sender may complete
+                        for work in at.works:
                             work.wait()
-                        peer = self._group_rank(message.peer)
-                        message.works = [group.send([torch.ones(1)], peer, _ACK)]
-                for message in batch:
-                    for work in message.works:
+                        at.works = [group.send([torch.ones(1)], self._group_rank(at.peer), _ACK)]
+                for at in batch:
+                    for work in at.works:
                         work.wait()
-                    message.done_ns = time.perf_counter_ns()
+                    at.done_ns = time.perf_counter_ns()
             except Exception as error:
-                self.on_error(batch[0].peer, error)
+                self.on_error(at.peer, error)
                 with self._lock:
                     self._open = 0
+                    self._pending.clear()
                     self._idle.notify_all()
                 return
             for message in batch:
                 message.works = []
                 if not message.send:
                     self.box.put(id(message), None)  # type: ignore[arg-type]
-            with self._lock:
-                self._open -= len(batch)
-                if not self._open:
-                    self._idle.notify_all()
+            self._closed(batch)
             del batch
 
 
