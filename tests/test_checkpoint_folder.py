@@ -31,7 +31,7 @@ def _saved(folder: Path, keep: int | None, weight: float) -> Path:
     return checkpoint_folder.commit(folder, number, keep)
 
 
-def test_saves_are_numbered_latest_names_the_newest_and_keep_deletes_the_oldest(
+def test_saves_are_numbered_the_highest_is_the_newest_and_keep_deletes_the_oldest(
     tmp_path: Path,
 ) -> None:
     folder = tmp_path / "ckpt"
@@ -39,8 +39,7 @@ def test_saves_are_numbered_latest_names_the_newest_and_keep_deletes_the_oldest(
     for weight in (1.0, 2.0, 3.0):
         done = _saved(folder, keep=2, weight=weight)
     assert done == folder / "save-3"
-    assert sorted(p.name for p in folder.iterdir()) == ["latest", "save-2", "save-3"]
-    assert (folder / "latest").read_text() == "save-3\n"
+    assert sorted(p.name for p in folder.iterdir()) == ["save-2", "save-3"]
     assert gd.newest_checkpoint(folder) == folder / "save-3"
     _saved(folder, keep=None, weight=4.0)
     _saved(folder, keep=None, weight=5.0)
@@ -56,9 +55,8 @@ def test_a_cut_save_is_never_read_and_the_next_save_clears_it(tmp_path: Path) ->
     _dcp(checkpoint_folder.staging(folder, number), {"model": {"w": torch.full((2,), 2.0)}})
     (folder / ".save-1.deleting").mkdir()  # and a deletion cut short
     assert gd.newest_checkpoint(folder) == folder / "save-1"
-    # a commit cut short after its rename, before `latest`: the save is complete, so newest
+    # a commit cut short right after its rename: the save is complete, so newest
     (folder / ".save-2.saving").rename(folder / "save-2")
-    assert (folder / "latest").read_text() == "save-1\n"
     assert gd.newest_checkpoint(folder) == folder / "save-2"
     (folder / ".save-7.saving").mkdir()
     assert checkpoint_folder.begin(folder) == 3
@@ -75,7 +73,8 @@ def test_consolidate_reads_the_newest_save_and_a_folder_of_the_old_layout(tmp_pa
     )
     old = tmp_path / "old"  # one checkpoint folder, as gpipe saved before numbered saves
     _dcp(old, {"model": {"w": torch.full((2,), 7.0)}, "extra": {"json": torch.zeros(2)}})
-    gd.consolidate(old, tmp_path / "old.pt")
+    with pytest.warns(UserWarning, match="no digests.json"):  # saved before gpipe kept them
+        gd.consolidate(old, tmp_path / "old.pt")
     assert torch.equal(
         torch.load(tmp_path / "old.pt", weights_only=True)["w"], torch.full((2,), 7.0)
     )
@@ -89,7 +88,10 @@ def test_byte_entries_are_refused_not_unpickled(tmp_path: Path) -> None:
     folder = tmp_path / "ckpt"
     # a non-tensor value: DCP pickles it into the checkpoint, and would unpickle it on load
     _dcp(folder, {"model": {"w": torch.ones(2)}, "optimizer": {"param_groups.w.lr": 0.1}})
-    with pytest.raises(ValueError, match=r"not tensors \(optimizer.param_groups.w.lr\)"):
+    with (
+        pytest.raises(ValueError, match=r"not tensors \(optimizer.param_groups.w.lr\)"),
+        pytest.warns(UserWarning, match="no digests.json"),
+    ):
         gd.consolidate(folder, tmp_path / "model.pt")
 
 
@@ -109,7 +111,10 @@ def test_a_metadata_file_that_would_run_code_is_refused(tmp_path: Path) -> None:
     (folder / ".metadata").write_bytes(pickle.dumps(_Boom(tmp_path / "ran")))
     with pytest.raises(pickle.UnpicklingError, match=r"names posix\.mkdir"):
         read_metadata(folder)
-    with pytest.raises(pickle.UnpicklingError, match=r"names posix\.mkdir"):
+    with (
+        pytest.raises(pickle.UnpicklingError, match=r"names posix\.mkdir"),
+        pytest.warns(UserWarning, match="no digests.json"),
+    ):
         gd.consolidate(tmp_path / "ckpt", tmp_path / "model.pt")
     assert not (tmp_path / "ran").exists()
 

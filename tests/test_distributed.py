@@ -242,7 +242,9 @@ def test_the_timeline_read_on_one_rank_alone_fails_naming_the_fix() -> None:
     outcomes = launch("dist_scenarios:timeline_on_one_rank", 2, timeout=60)
     assert outcomes[1].returncode == 0, outcomes[1].error
     assert outcomes[0].returncode == 1
-    assert "every rank of the pipeline must read pipe.timeline" in outcomes[0].error
+    assert "every rank of the pipeline must read pipe.timeline" in outcomes[0].error, outcomes[
+        0
+    ].error
     assert outcomes[0].seconds - outcomes[1].seconds < 4 + 10  # the pipe's 4 s timeout
 
 

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -33,7 +34,14 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from gpipe.distributed import checkpoint_folder
+from gpipe.distributed import checkpoint_digest, checkpoint_folder
+from gpipe.distributed.checkpoint_calls import (
+    TrackedReader,
+    TrackedWriter,
+    agreed,
+    checkpoint_failure,
+    in_thread,
+)
 from gpipe.distributed.checkpoint_reader import SafeReader, read_metadata
 from gpipe.distributed.json_collectives import all_gather_json, broadcast_json
 
@@ -71,6 +79,33 @@ def save(
     if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
         raise ValueError(f"keep={keep!r}: give how many checkpoints to keep (1 or more), or None")
     folder = Path(path)
+    guard = pipe._guard
+    with guard.running("saving"):
+        pipe._agree_on("save")
+        state = agreed(guard, "saving", lambda: _saved_state(pipe, optimizer, extra))
+        number = agreed(guard, "saving", lambda: _begin(folder), source=0)
+        number = broadcast_json(number, 0, guard.everyone, wait=guard.wait)
+        staging = checkpoint_folder.staging(folder, number)
+        try:
+            in_thread(
+                guard,
+                lambda: dcp.save(
+                    state,
+                    storage_writer=TrackedWriter(staging, guard),
+                    process_group=guard.everyone,
+                ),
+            )
+        except CheckpointException as error:
+            raise checkpoint_failure(guard, error, "saving (writing its files)") from error
+    # NOTE: DCP's save returns on rank 0 only once every rank's files and the .metadata are
+    # written, so rank 0 commits at once; the others wait to hear whether it could
+    with guard.running("committing"):
+        agreed(guard, "committing", lambda: _commit(folder, number, keep), source=0)
+    return folder / f"save-{number}"
+
+
+def _saved_state(pipe: DistributedGPipe, optimizer: Any, extra: Any) -> dict[str, Any]:
+    """What this rank saves: its tensors, optimizer state and ``extra``, by the user's names."""
     view = pipe.user_view()
     state: dict[str, Any] = {_MODEL: _tensors(view)}
     if optimizer is not None:
@@ -78,31 +113,29 @@ def save(
         state[_SETTINGS] = {key: _json_tensor(value) for key, value in settings.items()}
     if extra is not None:
         state[_EXTRA] = _pack(extra)
-    number, refused, problem = 0, False, ""
-    if dist.get_rank() == 0:
-        try:
-            number = checkpoint_folder.begin(folder)
-        except (OSError, ValueError) as error:
-            refused, problem = isinstance(error, ValueError), str(error)
-    # NOTE: the broadcast also holds every rank until rank 0 has cleared the leftovers
-    number, refused, problem = broadcast_json([number, refused, problem])
-    if problem:
-        raise (ValueError if refused else OSError)(f"cannot save into {folder}: {problem}")
-    staging = checkpoint_folder.staging(folder, number)
-    dcp.save(state, checkpoint_id=staging)
-    # NOTE: DCP's save returns on rank 0 only once every rank's files and the .metadata are
-    # written, so rank 0 commits at once; the broadcast holds the others until it has, and
-    # tells them if it could not (rather than leaving them in a barrier)
-    problem = ""
+    return state
+
+
+def _begin(folder: Path) -> int:
+    """On rank 0: the number of the save about to be written (leftovers cleared); 0
+    elsewhere. The ranks agree on it (see :func:`agreed`), so every rank writes there."""
+    if dist.get_rank() != 0:
+        return 0
+    try:
+        return checkpoint_folder.begin(folder)
+    except (OSError, ValueError) as error:
+        raise type(error)(f"cannot save into {folder}: {error}") from error
+
+
+def _commit(folder: Path, number: int, keep: int | None) -> None:
+    """On rank 0: make save ``number`` the newest complete one (see checkpoint_folder)."""
     if dist.get_rank() == 0:
         try:
             checkpoint_folder.commit(folder, number, keep)
         except OSError as error:
-            problem = str(error)
-    problem = broadcast_json(problem)
-    if problem:
-        raise OSError(f"save {number} in {folder}: rank 0 could not finish it: {problem}")
-    return folder / f"save-{number}"
+            raise OSError(
+                f"save {number} in {folder}: rank 0 failed while committing it: {error}"
+            ) from error
 
 
 def load(
@@ -123,23 +156,60 @@ def load(
     Raises:
         FileNotFoundError: no complete checkpoint at ``path``.
         ValueError: the checkpoint and the model differ (keys missing on either side, or
-            shapes that do not match), or it holds byte (pickled) entries; the message
-            names them.
+            shapes that do not match), or it holds byte (pickled) entries, or a file of it
+            is missing or differs from what its save wrote (checked against the digests
+            recorded at the save); the message names them.
         pickle.UnpicklingError: its ``.metadata`` names classes a checkpoint's metadata
             does not hold (the file was written by something else).
     """
-    source = Path(broadcast_json(str(_resolve(path)) if dist.get_rank() == 0 else ""))
+    guard = pipe._guard
+    with guard.running("loading"):
+        pipe._agree_on("load")
+        resolved = str(_resolve(path)) if dist.get_rank() == 0 else ""
+        source = Path(broadcast_json(resolved, 0, guard.everyone, wait=guard.wait))
+        # NOTE: the ranks share the reading of every file against its digest
+        agreed(guard, "loading", lambda: _intact(path, source), shared=True)
+        view = pipe.user_view()
+        state, settings = agreed(guard, "loading", lambda: _loaded_state(view, source, optimizer))
+        try:
+            in_thread(
+                guard,
+                lambda: dcp.load(
+                    state,
+                    storage_reader=TrackedReader(source, guard),
+                    process_group=guard.everyone,
+                ),
+            )
+        except CheckpointException as error:
+            raise checkpoint_failure(guard, error, "loading (reading its files)") from error
+        if optimizer is not None:
+            flat = _join_settings(state[_OPTIMIZER], settings, state[_SETTINGS], source)
+            set_optimizer_state_dict(view, _holding(optimizer), flat, options=_FLAT)
+        return _unpack(state[_EXTRA]) if _EXTRA in state else {}
+
+
+def _intact(path: str | os.PathLike[str], source: Path) -> None:
+    """That ``source`` is a complete checkpoint whose files are as saved (this rank's share
+    of them)."""
     if not (source / ".metadata").exists():
         raise FileNotFoundError(
             f"no complete checkpoint at {path} (neither a .metadata file nor a save-<n> "
             "folder holding one): save with pipe.save(path) first"
         )
+    checkpoint_digest.verify(source, (dist.get_rank(), dist.get_world_size()))
+
+
+def _loaded_state(
+    view: nn.Module, source: Path, optimizer: Any
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """What this rank loads into (its tensors, optimizer state, ``extra``), checked against
+    the checkpoint's metadata; and the optimizer's current settings."""
     metadata = read_metadata(source)
     _refuse_bytes(metadata, source)
-    view = pipe.user_view()
     model = _tensors(view)
     _check_matches(metadata, model)
     state: dict[str, Any] = {_MODEL: model}
+    settings: dict[str, Any] = {}
     if optimizer is not None:
         if not _entries(metadata, _OPTIMIZER):
             raise ValueError(f"the checkpoint at {source} holds no optimizer state")
@@ -147,11 +217,7 @@ def load(
         state[_SETTINGS] = _empty_like_saved(metadata, _SETTINGS)
     if _entries(metadata, _EXTRA):
         state[_EXTRA] = _empty_like_saved(metadata, _EXTRA)
-    dcp.load(state, storage_reader=SafeReader(source))
-    if optimizer is not None:
-        flat = _join_settings(state[_OPTIMIZER], settings, state[_SETTINGS], source)
-        set_optimizer_state_dict(view, _holding(optimizer), flat, options=_FLAT)
-    return _unpack(state[_EXTRA]) if _EXTRA in state else {}
+    return state, settings
 
 
 def newest_checkpoint(path: str | os.PathLike[str]) -> Path | None:
@@ -170,10 +236,16 @@ def consolidate(path: str | os.PathLike[str], out_file: str | os.PathLike[str]) 
     ``path`` as for :func:`load`. Runs in a single process (no process group needed); the
     result loads into the plain model:
     ``model.load_state_dict(torch.load(out_file, weights_only=True))``.
+
+    Raises:
+        FileNotFoundError: no complete checkpoint at ``path``.
+        ValueError: a file of the checkpoint is missing or differs from what its save wrote
+            (the message names it), or the checkpoint holds byte (pickled) entries.
     """
     source = newest_checkpoint(path)
     if source is None:
         raise FileNotFoundError(f"no complete checkpoint at {path}: save with pipe.save first")
+    checkpoint_digest.verify(source)
     metadata = read_metadata(source)
     _refuse_bytes(metadata, source)
     state = {_MODEL: _empty_like_saved(metadata, _MODEL)}

@@ -3,22 +3,26 @@
 ::
 
     ckpt/
-      save-3/          complete checkpoints (each one a torch.distributed.checkpoint folder)
-      save-4/
+      save-3/          complete checkpoints (each one a torch.distributed.checkpoint folder,
+      save-4/            with digests.json: every file's digest, see checkpoint_digest)
       .save-5.saving/  the save under way: every rank writes here
-      latest           "save-4": the newest complete one, for people and tools
 
 A save writes ``.save-<n>.saving``; once every rank has written its part (and DCP's
-``.metadata`` is written last), one rank renames it to ``save-<n>``: that rename, atomic
-on a POSIX file system, is the commit. So a ``save-<n>`` folder is complete by construction,
-and :func:`newest` (the highest-numbered one) is the newest complete checkpoint whatever
-moment a crash cut a save short: leftovers of the cut save are dot-names it never reads.
-``latest`` is then replaced atomically (a temporary file, ``os.replace``); older saves
-beyond ``keep`` are renamed out of the numbered names before they are deleted, so a crash
-while deleting never leaves half a checkpoint under a name :func:`newest` reads.
+``.metadata`` is written last), one rank hashes its files into ``digests.json`` and renames
+it to ``save-<n>``: that rename, atomic on a POSIX file system, is the commit. So a
+``save-<n>`` folder is complete by construction, digests included, and :func:`newest` (the
+highest-numbered one) is the newest complete checkpoint whatever moment a crash cut a save
+short: leftovers of the cut save are dot-names it never reads. Older saves beyond ``keep``
+are renamed out of the numbered names before they are deleted, so a crash while deleting
+never leaves half a checkpoint under a name :func:`newest` reads.
+
+NOTE: no ``latest`` file names the newest save (gpipe wrote one before): written after the
+rename, it was stale whenever a crash came between the two, and nothing read it; the
+numbered names say it, and ``gpipe.distributed.newest_checkpoint`` reads them.
 
 Files and folders are fsynced where a power cut could otherwise lose the commit: the
-staging folder before its rename, the parent after it (DCP fsyncs the files it writes).
+manifest and the staging folder before its rename, the parent after it (DCP fsyncs the
+files it writes).
 
 Only one rank touches the folder's names; all of them write into the staging folder.
 """
@@ -30,10 +34,13 @@ import re
 import shutil
 from pathlib import Path
 
-__all__ = ["LATEST", "begin", "commit", "newest", "staging"]
+from gpipe.distributed import checkpoint_digest
 
-LATEST = "latest"
+__all__ = ["begin", "commit", "newest", "staging"]
+
 _NUMBERED = re.compile(r"save-(\d+)")
+# what earlier gpipe wrote beside the saves: a file naming the newest ("save-4")
+_OLD_POINTER = "latest"
 
 
 def newest(folder: str | os.PathLike[str]) -> Path | None:
@@ -57,6 +64,11 @@ def begin(folder: Path) -> int:
     folder.mkdir(parents=True, exist_ok=True)
     for leftover in folder.glob(".save-*"):
         shutil.rmtree(leftover, ignore_errors=True)
+    # NOTE: left, an earlier gpipe's pointer would name an older save after this one
+    (folder / f".{_OLD_POINTER}.writing").unlink(missing_ok=True)
+    pointer = folder / _OLD_POINTER
+    if pointer.is_file() and _NUMBERED.fullmatch(pointer.read_text(errors="replace").strip()):
+        pointer.unlink()
     saves = _complete(folder)
     return max(saves, default=0) + 1
 
@@ -67,18 +79,12 @@ def staging(folder: Path, number: int) -> Path:
 
 
 def commit(folder: Path, number: int, keep: int | None) -> Path:
-    """Make save ``number`` a complete checkpoint (atomically), point ``latest`` at it, and
+    """Make save ``number`` a complete checkpoint (atomically), its digests recorded, and
     delete the complete ones beyond the newest ``keep`` (None: keep every one)."""
     done = folder / f"save-{number}"
+    checkpoint_digest.record(staging(folder, number))
     _fsync(staging(folder, number))
     staging(folder, number).rename(done)
-    _fsync(folder)
-    pointer = folder / f".{LATEST}.writing"
-    with open(pointer, "w") as file:
-        file.write(f"{done.name}\n")
-        file.flush()
-        os.fsync(file.fileno())
-    os.replace(pointer, folder / LATEST)
     _fsync(folder)
     if keep is not None:
         saves = _complete(folder)

@@ -50,9 +50,7 @@ def check_same_everywhere(
         differ = [key for key in everyone[0] if theirs.get(key) != everyone[0][key]]
         if differ:
             shown = ", ".join(
-                f"{key}: rank 0 has {ours!r}, rank {rank} has {other!r}"
-                for key in differ
-                for ours, other in [_first_difference(everyone[0][key], theirs.get(key))]
+                _first_difference(key, everyone[0][key], theirs.get(key), rank) for key in differ
             )
             raise ValueError(
                 f"the ranks built different pipes ({shown}): every rank must construct "
@@ -60,14 +58,22 @@ def check_same_everywhere(
             )
 
 
-def _first_difference(ours: Any, theirs: Any) -> tuple[Any, Any]:
-    """The first differing entries of two lists (a model's tensors: the one that differs, not
-    thousands), or the values themselves."""
-    if isinstance(ours, list) and isinstance(theirs, list) and len(ours) == len(theirs):
-        for a, b in zip(ours, theirs):
-            if a != b:
-                return a, b
-    return ours, theirs
+def _first_difference(key: str, ours: Any, theirs: Any, rank: int) -> str:
+    """Where rank 0's and rank ``rank``'s values of ``key`` differ: for two lists (a
+    model's tensors), their first differing entry, not thousands of them."""
+    if not (isinstance(ours, list) and isinstance(theirs, list)):
+        return f"{key}: rank 0 has {ours!r}, rank {rank} has {theirs!r}"
+    at = next(
+        (i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs))
+    )
+    shown = f"{key}[{at}]: rank 0 has {_entry(ours, at)}, rank {rank} has {_entry(theirs, at)}"
+    if len(ours) != len(theirs):
+        shown += f" ({len(ours)} entries on rank 0, {len(theirs)} on rank {rank})"
+    return shown
+
+
+def _entry(values: list[Any], at: int) -> str:
+    return repr(values[at]) if at < len(values) else "no such entry"
 
 
 def _gathered(

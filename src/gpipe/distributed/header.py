@@ -2,8 +2,14 @@
 
 The rank of the first stage that reads the inputs knows the batch; it broadcasts the
 micro-batch count, the samples, a number standing for the micro-batches' shapes, the step's
-seed and a number standing for the settings the step runs under. A rank whose settings
-differ fails the step on every rank, naming what to set alike.
+seed, a number standing for the settings the step runs under, and which call this is. A rank
+whose settings differ fails the step on every rank, naming what to set alike.
+
+Every call of a pipe that runs collectives (a step, a save, a load, clipping, the timeline)
+begins with this header, the same collective of the same size: so ranks that disagree on
+which call they make (one evaluates while the others train) meet here, where the call is
+compared, and never in a collective of another size (which gloo ends by aborting the
+process: "Received data size doesn't match").
 """
 
 from __future__ import annotations
@@ -20,7 +26,10 @@ from gpipe.distributed.guard import PipeGuard
 from gpipe.microbatch import Batch
 from gpipe.schedule import Schedule
 
-__all__ = ["Header", "LossBroadcast", "agree", "settings_code"]
+__all__ = ["CALLS", "Header", "LossBroadcast", "agree", "settings_code"]
+
+#: The calls of a pipe that every rank of it makes together, in the same order.
+CALLS = ("train_step", "eval_step", "save", "load", "clip_grad_norm_", "timeline")
 
 _LOSS_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 
@@ -57,26 +66,36 @@ def agree(
     settings: tuple[str | Schedule, str, int],
     source: int,
     group: Any,
+    call: str = "train_step",
 ) -> Header:
-    """The header of the step about to run, from rank ``source`` (which holds ``batch``).
+    """The header of the call about to run, from rank ``source`` (which holds ``batch``).
 
-    ``settings`` is (schedule, checkpoint, chunks) as this rank has them.
+    ``settings`` is (schedule, checkpoint, chunks) as this rank has them; ``call`` is one of
+    :data:`CALLS`. Any call but a step waits for the header (the source too).
 
     Raises:
-        PipelineFailure: this rank's settings differ from ``source``'s (on every rank).
+        PipelineFailure: this rank makes another call than ``source``, or its settings
+            differ (on every rank).
     """
     known = [0, 0, 0] if batch is None else [batch.microbatches, batch.total, batch.shapes]
     code = settings_code(*settings)
-    header = torch.tensor([*known, seed, code], dtype=torch.int64)
+    mine = CALLS.index(call)
+    header = torch.tensor([*known, seed, code, mine], dtype=torch.int64)
     work = dist.broadcast(header, source, group, async_op=True)
     announced = None
-    if guard.rank == source:
+    if guard.rank == source and call in ("train_step", "eval_step"):
         # The source knows the header already: it starts its actions at once and makes
         # sure of the broadcast after the step, so the first stage never waits on it.
         announced = work
     else:
         guard.wait(work)
-    count, total, shapes, seed, theirs = header.tolist()
+    count, total, shapes, seed, theirs, their_call = header.tolist()
+    if their_call != mine:
+        raise guard.fail(
+            f"rank {guard.rank} called {call}() while rank {source}, which reads the pipe's "
+            f"inputs, called {CALLS[their_call]}(): every rank of a pipe makes the same calls "
+            "in the same order (train_step, eval_step, save, load, clip_grad_norm_, timeline)"
+        )
     if theirs != code:
         schedule, checkpoint, chunks = settings
         named = schedule if isinstance(schedule, str) else f"a Schedule ({schedule.name})"

@@ -39,6 +39,7 @@ from gpipe.distributed.construction import (
     model_balance,
     planned,
 )
+from gpipe.distributed.failure import PipelineFailure
 from gpipe.distributed.guard import PipeGuard
 from gpipe.distributed.header import Header, LossBroadcast, agree
 from gpipe.distributed.mesh import device as default_device
@@ -253,7 +254,7 @@ class DistributedGPipe(PipeCore):
         check_train_arguments(loss_fn, reduction, microbatch_weight, target_batch_dims)
         check_flag("local_batch", local_batch)
         with self._guard.stepping(lambda: self._ran):
-            batch, header = self._begin(input, kwargs, local_batch)
+            batch, header = self._begin(input, kwargs, local_batch, "train_step")
             schedule = self._schedule_for(header.microbatches)
             loss = None
             if self._holds(self._stages.last):
@@ -316,7 +317,7 @@ class DistributedGPipe(PipeCore):
         returns that part's output. ``input`` and ``kwargs`` as :meth:`train_step`.
         """
         with self._guard.stepping(lambda: self._ran):
-            batch, header = self._begin(input, kwargs, local_batch)
+            batch, header = self._begin(input, kwargs, local_batch, "eval_step")
             forwards = self._schedule_for(header.microbatches).only([FORWARD])
             step = self._step(forwards, header, batch, grad=False)
             header.settle(self._guard)
@@ -364,6 +365,8 @@ class DistributedGPipe(PipeCore):
         Raises:
             RuntimeError: ``error_if_nonfinite`` and the norm is nan or inf (on every rank).
         """
+        with self._guard.stepping(lambda: True):
+            self._agree_on("clip_grad_norm_")
         elsewhere = self._connections.tied.counted_elsewhere()
         parameters = list(self.parameters())
         return clip_grad_norm_(
@@ -386,6 +389,8 @@ class DistributedGPipe(PipeCore):
         other calls. ``transfers`` holds every message between the ranks.
         """
         step, schedule = self._last_step()
+        with self._guard.stepping(lambda: True):
+            self._agree_on("timeline")
         return gather_timeline(
             step,
             schedule,
@@ -469,12 +474,13 @@ class DistributedGPipe(PipeCore):
     # -- a step's pieces ---------------------------------------------------------------
 
     def _begin(
-        self, input: Any, kwargs: dict[str, Any] | None, local_batch: bool
+        self, input: Any, kwargs: dict[str, Any] | None, local_batch: bool, call: str
     ) -> tuple[Batch | None, Header]:
         """This rank's micro-batches (if it reads the inputs) and the step's header."""
         self._ran = False
         batch = None
-        if self._reads_input():
+        stepping = call in ("train_step", "eval_step")
+        if self._reads_input() and stepping:
             batch = self._split(
                 self._bind(input, kwargs),
                 replicas=1 if local_batch else self.layout.dp,
@@ -483,12 +489,30 @@ class DistributedGPipe(PipeCore):
         header = agree(
             self._guard,
             batch,
-            self._seed(),
+            self._seed() if stepping else 0,  # NOTE: only a step draws from the generator
             (self.schedule, self.checkpoint, self.chunks),
             self._rank_of(self._reader),
             self.groups.control,
+            call,
         )
         return batch, header
+
+    def _agree_on(self, call: str) -> None:
+        """Begin ``call`` (not a step) with the header every call begins with, so ranks
+        that make different calls meet there (see :mod:`gpipe.distributed.header`).
+
+        Raises:
+            RuntimeError: the ranks did not all make this call (a PipelineFailure, naming
+                the fix: most often one rank called it alone, ``if rank == 0:``).
+        """
+        try:
+            self._begin(None, None, False, call)
+        except PipelineFailure as error:
+            named = "read pipe.timeline" if call == "timeline" else f"call pipe.{call}()"
+            raise RuntimeError(
+                f"{error} -- {call} is a collective: every rank of the pipeline must "
+                f"{named}, in the same order as its other calls"
+            ) from error
 
     def _whole_batch(self, weight: float) -> float:
         """``weight`` summed over every replica's part of the batch."""
