@@ -21,7 +21,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--quick",
         action="store_true",
-        help="fewer points and repeats: under two minutes on 2 cores (the full run: 15)",
+        help="fewer points and repeats, for a first look (the full run takes about 15 minutes "
+        "on 2 cores)",
     )
     parser.add_argument(
         "--sections",
