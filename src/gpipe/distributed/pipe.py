@@ -15,6 +15,7 @@ failure wiring in :mod:`~gpipe.distributed.guard`, the step header in
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -502,17 +503,19 @@ class DistributedGPipe(PipeCore):
         that make different calls meet there (see :mod:`gpipe.distributed.header`).
 
         Raises:
-            RuntimeError: the ranks did not all make this call (a PipelineFailure, naming
-                the fix: most often one rank called it alone, ``if rank == 0:``).
+            PipelineFailure: the ranks did not all make this call; the failure names the
+                fix (most often one rank called it alone, ``if rank == 0:``).
         """
         try:
             self._begin(None, None, False, call)
         except PipelineFailure as error:
             named = "read pipe.timeline" if call == "timeline" else f"call pipe.{call}()"
-            raise RuntimeError(
-                f"{error} -- {call} is a collective: every rank of the pipeline must "
-                f"{named}, in the same order as its other calls"
-            ) from error
+            hint = (
+                f" -- {call} is a collective: every rank of the pipeline must {named}, in "
+                "the same order as its other calls"
+            )
+            told = dataclasses.replace(error.failure, error=error.failure.error + hint)
+            raise PipelineFailure(told, self.rank) from error
 
     def _whole_batch(self, weight: float) -> float:
         """``weight`` summed over every replica's part of the batch."""
