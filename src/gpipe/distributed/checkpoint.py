@@ -26,7 +26,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -39,8 +38,7 @@ from gpipe.distributed.checkpoint_calls import (
     TrackedReader,
     TrackedWriter,
     agreed,
-    checkpoint_failure,
-    in_thread,
+    in_checkpoint_thread,
 )
 from gpipe.distributed.checkpoint_reader import SafeReader, read_metadata
 from gpipe.distributed.json_collectives import all_gather_json, broadcast_json
@@ -86,17 +84,13 @@ def save(
         number = agreed(guard, "saving", lambda: _begin(folder), source=0)
         number = broadcast_json(number, 0, guard.everyone, wait=guard.wait)
         staging = checkpoint_folder.staging(folder, number)
-        try:
-            in_thread(
-                guard,
-                lambda: dcp.save(
-                    state,
-                    storage_writer=TrackedWriter(staging, guard),
-                    process_group=guard.everyone,
-                ),
-            )
-        except CheckpointException as error:
-            raise checkpoint_failure(guard, error, "saving (writing its files)") from error
+        in_checkpoint_thread(
+            guard,
+            "saving (writing its files)",
+            lambda: dcp.save(
+                state, storage_writer=TrackedWriter(staging, guard), process_group=guard.everyone
+            ),
+        )
     # NOTE: DCP's save returns on rank 0 only once every rank's files and the .metadata are
     # written, so rank 0 commits at once; the others wait to hear whether it could
     with guard.running("committing"):
@@ -171,17 +165,13 @@ def load(
         agreed(guard, "loading", lambda: _intact(path, source), shared=True)
         view = pipe.user_view()
         state, settings = agreed(guard, "loading", lambda: _loaded_state(view, source, optimizer))
-        try:
-            in_thread(
-                guard,
-                lambda: dcp.load(
-                    state,
-                    storage_reader=TrackedReader(source, guard),
-                    process_group=guard.everyone,
-                ),
-            )
-        except CheckpointException as error:
-            raise checkpoint_failure(guard, error, "loading (reading its files)") from error
+        in_checkpoint_thread(
+            guard,
+            "loading (reading its files)",
+            lambda: dcp.load(
+                state, storage_reader=TrackedReader(source, guard), process_group=guard.everyone
+            ),
+        )
         if optimizer is not None:
             flat = _join_settings(state[_OPTIMIZER], settings, state[_SETTINGS], source)
             set_optimizer_state_dict(view, _holding(optimizer), flat, options=_FLAT)

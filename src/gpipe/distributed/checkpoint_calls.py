@@ -35,7 +35,14 @@ from gpipe.distributed.failure import Failure, PipelineFailure
 from gpipe.distributed.guard import PipeGuard
 from gpipe.distributed.json_collectives import all_gather_json, broadcast_json
 
-__all__ = ["TrackedReader", "TrackedWriter", "agreed", "checkpoint_failure", "in_thread"]
+__all__ = [
+    "TrackedReader",
+    "TrackedWriter",
+    "agreed",
+    "checkpoint_failure",
+    "in_checkpoint_thread",
+    "in_thread",
+]
 
 T = TypeVar("T")
 
@@ -134,6 +141,15 @@ def in_thread(guard: PipeGuard, run: Callable[[], T]) -> T:
     if job.checkpoint_error is not None:
         raise job.checkpoint_error
     return cast(T, job.value)
+
+
+def in_checkpoint_thread(guard: PipeGuard, what: str, run: Callable[[], Any]) -> None:
+    """``run()``, a call of torch.distributed.checkpoint, in a thread (see :func:`in_thread`):
+    its report of a rank's error raised as a failure naming that rank and ``what``."""
+    try:
+        in_thread(guard, run)
+    except CheckpointException as error:
+        raise checkpoint_failure(guard, error, what) from error
 
 
 def checkpoint_failure(guard: PipeGuard, error: CheckpointException, what: str) -> PipelineFailure:
