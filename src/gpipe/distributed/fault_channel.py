@@ -205,6 +205,10 @@ class FaultChannel:
                 thread.join(timeout=max(0.0, deadline - time.monotonic()))
         if not self._thread.is_alive() and self._waiter_clean and not self._ask.silent:
             return_client(self._store, self._waiter)
+            # NOTE: a store keeps every key ever set: only this rank's watcher reads its
+            # wake-up key, which has ended, so it goes (a job builds pipe after pipe)
+            with contextlib.suppress(Exception):
+                self._ask("delete_key", self._wake(self._rank))
         self._waiter = None
         self._ask.close(deadline)  # NOTE: last: the threads above ask through it
         # NOTE: let go of the pipe's callbacks, so a pipe that holds this channel is freed

@@ -21,7 +21,7 @@ from gpipe.distributed.blame import broken_link
 from gpipe.distributed.failure import Failure, PipelineFailure, brief
 from gpipe.distributed.fault_channel import FaultChannel
 from gpipe.distributed.mesh import Groups, collective_device, everyone, retire, retire_everyone
-from gpipe.distributed.waiting import wait_for
+from gpipe.distributed.waiting import WaitHelpers, wait_for
 from gpipe.runtime.state import StepState
 
 __all__ = ["PipeGuard", "close_all"]
@@ -78,6 +78,7 @@ class PipeGuard:
         self.state: StepState | None = None  # the step under way
         self._waits = 0  # collectives this rank waits in now (see progress)
         self._working: str | None = None  # local work inside a wait (see working)
+        self._helpers = WaitHelpers()  # the threads :meth:`wait` waits on
         # The default store is the one every rank already shares (torchrun's agent's or
         # rank 0's); torch offers no public accessor for it.
         store = dist.distributed_c10d._get_default_store()
@@ -210,7 +211,7 @@ class PipeGuard:
         """Wait for a collective's ``work``, or raise once any rank failed."""
         self._waits += 1
         try:
-            wait_for(work, self.faults, lambda: self.failure, self.rank)
+            wait_for(work, self.faults, lambda: self.failure, self.rank, helpers=self._helpers)
         finally:
             self._waits -= 1
 
@@ -228,6 +229,7 @@ class PipeGuard:
         self.faults.close()
         if self.transport is not None:  # none if building the pipe failed
             self.transport.close()
+        self._helpers.close()
         _OPEN.discard(self)
 
     def release(self) -> None:
@@ -238,6 +240,7 @@ class PipeGuard:
             retire(self.groups, self.tie_groups)
         if self.transport is not None:
             self.transport.release()
+        self._helpers.close()  # NOTE: after the groups are retired, which ends their waits
         _OPEN.discard(self)
 
     # -- what the channel's threads call -----------------------------------------------

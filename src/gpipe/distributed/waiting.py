@@ -4,14 +4,16 @@ first: a rank that fails while the others sit in a collective still ends them al
 from __future__ import annotations
 
 import contextlib
+import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from gpipe.distributed.failure import Failure, PipelineFailure, brief
 from gpipe.distributed.fault_channel import FaultChannel
 
-__all__ = ["wait_for"]
+__all__ = ["WaitHelpers", "wait_for"]
 
 
 def wait_for(
@@ -20,6 +22,7 @@ def wait_for(
     failed: Callable[[], Failure | None],
     rank: int,
     ranks: Sequence[int] | None = None,
+    helpers: WaitHelpers | None = None,
 ) -> None:
     """Wait for a torch.distributed ``work``, or for a failure anywhere, whichever comes first.
 
@@ -32,6 +35,7 @@ def wait_for(
         failed: the failure this rank knows of, if any.
         ranks: the collective's ranks, among which a silent one is looked for if a link
             breaks with no report (default: every rank).
+        helpers: the threads to wait on (None: a new thread for this wait).
 
     Raises:
         PipelineFailure: a rank reported a failure, or a link broke (the rank that failed
@@ -63,9 +67,11 @@ def wait_for(
             done.set()
             woken.set()
 
-    helper = threading.Thread(target=wait, name="gpipe-collective", daemon=True)
     with _woken_by(faults, woken):
-        helper.start()
+        if helpers is None:
+            threading.Thread(target=wait, name="gpipe-collective", daemon=True).start()
+        else:
+            helpers.run(wait)
         woken.wait()
     if not done.is_set():  # woken by the channel, which heard a failure
         failure = failed() or (faults.failure if faults is not None else None)
@@ -95,3 +101,58 @@ def _cause(
     if faults is None:
         return Failure(-1, what)
     return faults.culprit(-1, what, ranks)
+
+
+class WaitHelpers:
+    """The threads :func:`wait_for` waits on, kept from wait to wait, ended by :meth:`close`.
+
+    NOTE: reused, not started per wait: each thread that waits on a c10d work and ends
+    leaves native memory behind (torch's: benchmarks/soak_repro.py --mode broadcast), so a
+    thread per wait grew a long run's RSS step after step. A helper whose wait never
+    returns is never reused.
+    """
+
+    def __init__(self) -> None:
+        self._idle: list[tuple[threading.Thread, queue.SimpleQueue[Any]]] = []
+        self._threads: list[threading.Thread] = []
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def run(self, job: Callable[[], None]) -> None:
+        """Run ``job`` on an idle helper, or on a new one if none is idle."""
+        with self._lock:
+            while self._idle:
+                thread, jobs = self._idle.pop()
+                if thread.is_alive():  # NOTE: after os.fork() only the forking thread exists
+                    jobs.put(job)
+                    return
+            jobs = queue.SimpleQueue()
+            thread = threading.Thread(
+                target=self._serve, args=(jobs,), name="gpipe-collective", daemon=True
+            )
+            self._threads = [t for t in self._threads if t.is_alive()] + [thread]
+        jobs.put(job)
+        thread.start()
+
+    def close(self, within: float = 1.0) -> None:
+        """End the idle helpers now and the busy ones once their wait returns; wait
+        ``within`` s at most for them to end."""
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, []
+            threads, self._threads = self._threads, []
+        for _, jobs in idle:
+            jobs.put(None)
+        deadline = time.monotonic() + within
+        for thread in threads:
+            if thread is not threading.current_thread():
+                thread.join(timeout=max(0.0, deadline - time.monotonic()))
+
+    def _serve(self, jobs: queue.SimpleQueue[Any]) -> None:
+        while (job := jobs.get()) is not None:
+            job()
+            del job
+            with self._lock:
+                if self._closed:
+                    return
+                self._idle.append((threading.current_thread(), jobs))
