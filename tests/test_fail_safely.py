@@ -147,6 +147,7 @@ def test_a_rank_stuck_in_a_hook_is_named_by_every_rank() -> None:
         assert "made no progress" in message
 
 
+@pytest.mark.slow  # NOTE: the four-rank kill below runs in make test
 def test_a_killed_rank_is_named_by_every_survivor() -> None:
     for _, message in _stop(3, 1, "kill", timeout=30):
         assert "stopped answering" in message or "lost its link" in message

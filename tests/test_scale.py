@@ -15,7 +15,7 @@ from ranks import check, free_port, launch, run_all
 pytestmark = pytest.mark.timeout(300)
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", [pytest.param("gpipe", marks=pytest.mark.slow), "1f1b"])
 def test_two_replicas_of_a_two_stage_pipeline_train_as_plain_training_on_the_whole_batch(
     schedule: str,
 ) -> None:
@@ -39,7 +39,9 @@ def test_microbatch_weights_are_normalized_over_every_replica() -> None:
         assert result["loss"] < 1e-12 and result["grad"] < 1e-12, result
 
 
-@pytest.mark.parametrize(("world", "dp"), [(2, 1), (4, 1), (4, 2)])
+@pytest.mark.parametrize(
+    ("world", "dp"), [(2, 1), pytest.param(4, 1, marks=pytest.mark.slow), (4, 2)]
+)
 def test_a_tied_embedding_and_head_train_as_plain_training_and_stay_identical(
     world: int, dp: int
 ) -> None:
