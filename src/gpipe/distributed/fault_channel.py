@@ -169,12 +169,17 @@ class FaultChannel:
                 self._stop.set()
         return self.failure
 
-    def acknowledge(self, ranks: int, grace: float = 2.0) -> None:
+    def acknowledge(self, ranks: int, grace: float | None = None) -> None:
         """Say this rank heard the failure; wait (``grace`` s at most) until all ``ranks`` did.
 
         NOTE: launched by hand, the store lives in rank 0's process: no rank leaves before
         every rank has heard the cause (a dead rank never acknowledges: hence the grace).
+        By default the grace outlasts a culprit's watch of the beats (three beats), so a
+        rank still watching when the others leave does not find the store gone and name
+        its host (seen in 1 of 20 kills at 4 ranks with a grace of 2 s).
         """
+        if grace is None:
+            grace = 3 * self._heartbeat.beat + 2.0
         heard = f"{self._key}/heard"
         try:
             if self._ask("add", heard, 1) >= ranks:
