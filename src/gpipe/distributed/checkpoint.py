@@ -15,7 +15,6 @@ in uint8 tensors, so loading unpickles nothing (see :mod:`gpipe.distributed.chec
 
 from __future__ import annotations
 
-import json
 import os
 import uuid
 import warnings
@@ -26,7 +25,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_optimizer_state_dict,
@@ -39,6 +37,16 @@ from gpipe.distributed.checkpoint_calls import (
     TrackedWriter,
     agreed,
     in_checkpoint_thread,
+)
+from gpipe.distributed.checkpoint_contents import (
+    check_matches,
+    empty_like_saved,
+    entries,
+    from_json_tensor,
+    json_tensor,
+    pack,
+    refuse_bytes,
+    unpack,
 )
 from gpipe.distributed.checkpoint_reader import SafeReader, read_metadata
 from gpipe.distributed.json_collectives import all_gather_json, broadcast_json
@@ -104,9 +112,9 @@ def _saved_state(pipe: DistributedGPipe, optimizer: Any, extra: Any) -> dict[str
     state: dict[str, Any] = {_MODEL: _tensors(view)}
     if optimizer is not None:
         state[_OPTIMIZER], settings = _split_settings(_optimizer_state(view, optimizer))
-        state[_SETTINGS] = {key: _json_tensor(value) for key, value in settings.items()}
+        state[_SETTINGS] = {key: json_tensor(value) for key, value in settings.items()}
     if extra is not None:
-        state[_EXTRA] = _pack(extra)
+        state[_EXTRA] = pack(extra)
     return state
 
 
@@ -164,7 +172,13 @@ def load(
         # NOTE: the ranks share the reading of every file against its digest
         agreed(guard, "loading", lambda: _intact(path, source), shared=True)
         view = pipe.user_view()
-        state, settings = agreed(guard, "loading", lambda: _loaded_state(view, source, optimizer))
+        # NOTE: gathered before the checks, which run no collective of their own: a rank
+        # whose check fails early must not leave another in a collective it never joins
+        mine = {name: list(t.shape) for name, t in _tensors(view).items()}
+        shapes = all_gather_json(mine, guard.everyone, wait=guard.wait)
+        state, settings = agreed(
+            guard, "loading", lambda: _loaded_state(view, source, optimizer, shapes)
+        )
         in_checkpoint_thread(
             guard,
             "loading (reading its files)",
@@ -175,7 +189,7 @@ def load(
         if optimizer is not None:
             flat = _join_settings(state[_OPTIMIZER], settings, state[_SETTINGS], source)
             set_optimizer_state_dict(view, _holding(optimizer), flat, options=_FLAT)
-        return _unpack(state[_EXTRA]) if _EXTRA in state else {}
+        return unpack(state[_EXTRA]) if _EXTRA in state else {}
 
 
 def _intact(path: str | os.PathLike[str], source: Path) -> None:
@@ -190,23 +204,23 @@ def _intact(path: str | os.PathLike[str], source: Path) -> None:
 
 
 def _loaded_state(
-    view: nn.Module, source: Path, optimizer: Any
+    view: nn.Module, source: Path, optimizer: Any, shapes: list[dict[str, list[int]]]
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """What this rank loads into (its tensors, optimizer state, ``extra``), checked against
-    the checkpoint's metadata; and the optimizer's current settings."""
+    the checkpoint's metadata and every rank's ``shapes``; and the optimizer's settings."""
     metadata = read_metadata(source)
-    _refuse_bytes(metadata, source)
+    refuse_bytes(metadata, source)
     model = _tensors(view)
-    _check_matches(metadata, model)
+    check_matches(metadata, shapes)
     state: dict[str, Any] = {_MODEL: model}
     settings: dict[str, Any] = {}
     if optimizer is not None:
-        if not _entries(metadata, _OPTIMIZER):
+        if not entries(metadata, _OPTIMIZER):
             raise ValueError(f"the checkpoint at {source} holds no optimizer state")
         state[_OPTIMIZER], settings = _split_settings(_optimizer_state(view, optimizer))
-        state[_SETTINGS] = _empty_like_saved(metadata, _SETTINGS)
-    if _entries(metadata, _EXTRA):
-        state[_EXTRA] = _empty_like_saved(metadata, _EXTRA)
+        state[_SETTINGS] = empty_like_saved(metadata, _SETTINGS)
+    if entries(metadata, _EXTRA):
+        state[_EXTRA] = empty_like_saved(metadata, _EXTRA)
     return state, settings
 
 
@@ -237,8 +251,8 @@ def consolidate(path: str | os.PathLike[str], out_file: str | os.PathLike[str]) 
         raise FileNotFoundError(f"no complete checkpoint at {path}: save with pipe.save first")
     checkpoint_digest.verify(source)
     metadata = read_metadata(source)
-    _refuse_bytes(metadata, source)
-    state = {_MODEL: _empty_like_saved(metadata, _MODEL)}
+    refuse_bytes(metadata, source)
+    state = {_MODEL: empty_like_saved(metadata, _MODEL)}
     with warnings.catch_warnings():  # NOTE: DCP warns that it reads in one process: we mean to
         warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
         dcp.load(state, storage_reader=SafeReader(source), no_dist=True)
@@ -309,7 +323,7 @@ def _join_settings(
         )
     flat: dict[str, Any] = dict(tensors)
     for owner, now in current.items():
-        values = _from_json_tensor(saved[owner])
+        values = from_json_tensor(saved[owner])
         for name, value in values.items():
             was = now.get(name)
             flat[f"{owner}.{name}"] = tuple(value) if isinstance(was, tuple) else value
@@ -346,93 +360,3 @@ def _holding(optimizer: Any) -> torch.optim.Optimizer:
     if isinstance(optimizer, ZeroRedundancyOptimizer):
         return optimizer.optim
     return optimizer
-
-
-def _entries(metadata: Metadata, section: str) -> dict[str, Any]:
-    """The checkpoint's entries under ``section``, by their key within it."""
-    start = f"{section}."
-    return {
-        key[len(start) :]: item
-        for key, item in metadata.state_dict_metadata.items()
-        if key.startswith(start)
-    }
-
-
-def _empty_like_saved(metadata: Metadata, section: str) -> dict[str, torch.Tensor]:
-    """Tensors to load ``section``'s entries into, as the checkpoint holds them."""
-    return {
-        key: torch.empty(tuple(item.size), dtype=item.properties.dtype)
-        for key, item in _entries(metadata, section).items()
-    }
-
-
-def _refuse_bytes(metadata: Metadata, source: Path) -> None:
-    """Raise if the checkpoint holds entries that are not tensors: DCP would unpickle them."""
-    odd = sorted(
-        key
-        for key, item in metadata.state_dict_metadata.items()
-        if not isinstance(item, TensorStorageMetadata)
-    )
-    if odd:
-        shown = ", ".join(odd[:5]) + (f" and {len(odd) - 5} more" if len(odd) > 5 else "")
-        raise ValueError(
-            f"the checkpoint at {source} holds entries that are not tensors ({shown}): "
-            "torch.distributed.checkpoint would unpickle them, which can run code, so gpipe "
-            "does not load it (gpipe before numbered checkpoints saved optimizer settings so: "
-            "load such a checkpoint without optimizer=, or with the gpipe that wrote it)"
-        )
-
-
-def _check_matches(metadata: Metadata, model: dict[str, torch.Tensor]) -> None:
-    """The checkpoint's model keys and shapes against every rank's: one clear error, or none."""
-    saved = {key: tuple(item.size) for key, item in _entries(metadata, _MODEL).items()}
-    mine = {name: list(t.shape) for name, t in model.items()}
-    held = {name: tuple(shape) for part in all_gather_json(mine) for name, shape in part.items()}
-    missing = sorted(set(held) - set(saved))
-    unexpected = sorted(set(saved) - set(held))
-    shapes = sorted(
-        f"{name} (checkpoint {saved[name]}, model {held[name]})"
-        for name in set(saved) & set(held)
-        if saved[name] != held[name]
-    )
-    problems = []
-    if missing:
-        problems.append(f"missing from the checkpoint: {', '.join(missing)}")
-    if unexpected:
-        problems.append(f"in the checkpoint but not in the model: {', '.join(unexpected)}")
-    if shapes:
-        problems.append(f"shapes differ: {', '.join(shapes)}")
-    if problems:
-        raise ValueError(
-            "the checkpoint does not fit this model: " + "; ".join(problems) + " (was it "
-            "saved from another model?)"
-        )
-
-
-def _json_tensor(value: Any) -> torch.Tensor:
-    """``value`` as UTF-8 JSON bytes in a uint8 tensor."""
-    try:
-        text = json.dumps(value, allow_nan=True)
-    except TypeError as error:
-        raise TypeError(
-            "a checkpoint keeps tensors, and values JSON can hold (numbers, strings, lists, "
-            f"dicts): {error}"
-        ) from error
-    return torch.frombuffer(bytearray(text.encode()), dtype=torch.uint8)
-
-
-def _from_json_tensor(data: torch.Tensor) -> Any:
-    return json.loads(bytes(data.numpy()).decode())
-
-
-def _pack(extra: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """``extra`` as tensors: its tensors as they are, the rest as JSON bytes."""
-    tensors = {f"t.{k}": v.detach().cpu() for k, v in extra.items() if isinstance(v, torch.Tensor)}
-    rest = {k: v for k, v in extra.items() if not isinstance(v, torch.Tensor)}
-    return {"json": _json_tensor(rest), **tensors}
-
-
-def _unpack(packed: dict[str, torch.Tensor]) -> dict[str, Any]:
-    values: dict[str, Any] = _from_json_tensor(packed["json"])
-    values.update({k[2:]: v for k, v in packed.items() if k.startswith("t.")})
-    return values
