@@ -84,45 +84,31 @@ def valid_reorder(base: Schedule, pick: Callable[[int], int]) -> Schedule:
     """``base`` with each device's actions in a random order the validator accepts.
 
     One run of the pipeline in which, turn after turn, some device runs one of its actions
-    whose dependencies have finished (so no order deadlocks); F's go in one order of the
-    micro-batches and B's in another, the same on every stage (so each pair of devices
-    takes its messages in the order they were sent), W's any time after their B. With one
-    stage per device these are exactly the orders the validator accepts.
+    whose dependencies have finished (so no order deadlocks): any F or B, in any order of
+    the micro-batches, W's any time after their B. With one stage per device these are
+    exactly the orders the validator accepts: the lowering posts every message in the step
+    it is made, so no pair of devices needs its messages taken in the order sent.
 
     Args:
         base: a schedule with one stage per device; only its shape and kinds are kept.
         pick: ``pick(n)`` chooses one of ``n`` choices, ``0 <= pick(n) < n``.
     """
     assert base.placement == tuple(range(base.devices)), "one stage per device only"
-    m = base.microbatches
-
-    def order() -> list[int]:
-        left = list(range(m))
-        return [left.pop(pick(len(left))) for _ in range(m)]
-
-    f_order, b_order = order(), order()
+    kinds = (FORWARD, BACKWARD, WEIGHT) if base.split_backward else (FORWARD, BACKWARD)
+    left = {
+        Action(kind, s, i)
+        for kind in kinds
+        for s in range(base.stages)
+        for i in range(base.microbatches)
+    }
     done: set[Action] = set()
     rows: list[list[Action]] = [[] for _ in range(base.devices)]
-    taken = [{FORWARD: 0, BACKWARD: 0} for _ in rows]  # F's and B's each stage has run
-    weights: list[list[Action]] = [[] for _ in rows]  # W's whose B has run
-    while len(done) < len(base):
-        ready: list[tuple[int, Action]] = []
-        for stage, row in enumerate(taken):
-            for kind, microbatches in ((FORWARD, f_order), (BACKWARD, b_order)):
-                if row[kind] < m:
-                    action = Action(kind, stage, microbatches[row[kind]])
-                    if all(dep in done for dep in dependencies(action, base.stages)):
-                        ready.append((stage, action))
-            ready += [(stage, w) for w in weights[stage]]
-        stage, action = ready[pick(len(ready))]
-        rows[stage].append(action)
+    while left:
+        ready = sorted(a for a in left if all(dep in done for dep in dependencies(a, base.stages)))
+        action = ready[pick(len(ready))]
+        rows[action.stage].append(action)
         done.add(action)
-        if action.kind == WEIGHT:
-            weights[stage].remove(action)
-        else:
-            taken[stage][action.kind] += 1
-            if action.kind == BACKWARD and base.split_backward:
-                weights[stage].append(Action(WEIGHT, stage, action.microbatch))
+        left.remove(action)
     return dataclasses.replace(base, actions=rows)
 
 

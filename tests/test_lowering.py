@@ -21,9 +21,9 @@ BUILT_IN = ["gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zb-v"]
 def test_one_f_one_b_on_two_devices_lowers_to_the_documented_program() -> None:
     lowered = lower(make_schedule("1f1b", 2, 2))
     assert str(lowered).splitlines() == [
-        "device 0: 0F0 [send act 1:0 to 1] 0F1 [send act 1:1 to 1, recv grad 0:0 from 1] 0B0 "
+        "device 0: 0F0 [send act 1:0 to 1] 0F1 [send act 1:1 to 1] [recv grad 0:0 from 1] 0B0 "
         "[recv grad 0:1 from 1] 0B1",
-        "device 1: [recv act 1:0 from 0] 1F0 1B0 [send grad 0:0 to 0, recv act 1:1 from 0] 1F1 "
+        "device 1: [recv act 1:0 from 0] 1F0 [recv act 1:1 from 0] 1B0 [send grad 0:0 to 0] 1F1 "
         "1B1 [send grad 0:1 to 0]",
     ]
 

@@ -14,6 +14,14 @@ devices and 4 micro-batches (F=B=1, 64 columns) looks like::
     legend:  F3>> forward of micro-batch 3
              B3<< backward of micro-batch 3
              f b w: an action under half a character  blank: idle
+
+A fused action (a forward and a backward issued together, DualPipeV's) is one box made of
+its parts, the forward's half then the backward's, which opens with ``+`` as the text form
+does (``1F1+1B0``). Device 1 here fuses two pairs (F=1, B=2, 52 columns)::
+
+    hand: 2 devices, 3 micro-batches, makespan 12 cost, bubble 25.00%
+    0 |F0>>F1>>F2>>        B0<<<<<<    B1<<<<<<B2<<<<<<|
+    1 |    F0>>F1>>>>+B0<<<F2>>>>+B1<<<B2<<<<<<        |
 """
 
 from __future__ import annotations
@@ -26,7 +34,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from gpipe.analysis.labels import KIND_NAMES, format_memory, format_time, kinds_in
-from gpipe.schedule import BACKWARD, FORWARD, WEIGHT
+from gpipe.schedule import BACKWARD, FORWARD, FUSED, WEIGHT, Action
 
 if TYPE_CHECKING:
     from gpipe.analysis.timeline import Event, Timeline
@@ -36,7 +44,9 @@ __all__ = ["format_chart"]
 # Without colour the fill character alone tells the kinds apart.
 _FILL = {FORWARD: ">", BACKWARD: "<", WEIGHT: "="}
 _BLOCK_COLOR = {FORWARD: "\x1b[97;44m", BACKWARD: "\x1b[30;42m", WEIGHT: "\x1b[30;43m"}
-_MARK_COLOR = {FORWARD: "\x1b[34m", BACKWARD: "\x1b[32m", WEIGHT: "\x1b[33m"}
+# An action under half a character: its kind's letter in lower case; a fused one, "+".
+_MARK = {FORWARD: "f", BACKWARD: "b", WEIGHT: "w", FUSED: "+"}
+_MARK_COLOR = {FORWARD: "\x1b[34m", BACKWARD: "\x1b[32m", WEIGHT: "\x1b[33m", FUSED: "\x1b[36m"}
 _RESET = "\x1b[0m"
 _MAX_WIDTH = 160  # wider charts stop being readable even on wide terminals
 _MIN_COLUMNS = 8
@@ -49,6 +59,10 @@ def format_chart(timeline: Timeline, width: int | None = None, color: bool | Non
     micro-batch number alone, else just its fill character: ``>`` forward, ``<`` backward,
     ``=`` weight gradient. An action narrower than half a character still shows, as the
     lower-case kind letter. Blank cells are idle time, the pipeline bubble.
+
+    A fused action is one box: its forward's half (``F3>>``, forward colours) then its
+    backward's (``+B1<<``, backward colours), and a last ``=`` cell for a W part when the
+    box has room; one under half a character shows as ``+``.
 
     Args:
         timeline: a simulated or measured timeline.
@@ -99,7 +113,8 @@ def _snap(timeline: Timeline, columns: int) -> int:
 
 def _header(timeline: Timeline) -> str:
     microbatches = 1 + max(
-        (e.action.microbatch for device in timeline.events for e in device), default=-1
+        (u.microbatch for device in timeline.events for e in device for u in e.action.units),
+        default=-1,
     )
     name = timeline.schedule or "timeline"
     return (
@@ -117,14 +132,22 @@ def _count(n: int, one: str, many: str | None = None) -> str:
 def _legend(timeline: Timeline, color: bool, width: int) -> list[str]:
     """The legend as (visible text, printed text) items packed into lines of ``width``."""
     items = []
-    for kind in kinds_in(timeline):
-        swatch = f"{kind}3{_FILL[kind] * 2}"
-        printed = _BLOCK_COLOR[kind] + swatch + _RESET if color else swatch
-        text = f" {KIND_NAMES[kind]} of micro-batch 3"
+    kinds = kinds_in(timeline)
+    for kind in kinds:
+        if kind == FUSED:
+            sample = Action.fuse(Action(FORWARD, 0, 3), Action(BACKWARD, 0, 1))
+            swatch, printed = _block(sample, 10, False), _block(sample, 10, color)
+            text = (
+                f" {KIND_NAMES[FORWARD]} of micro-batch 3 {KIND_NAMES[FUSED]} with "
+                f"{KIND_NAMES[BACKWARD]} of 1"
+            )
+        else:
+            swatch = f"{kind}3{_FILL[kind] * 2}"
+            printed = _BLOCK_COLOR[kind] + swatch + _RESET if color else swatch
+            text = f" {KIND_NAMES[kind]} of micro-batch 3"
         items.append((swatch + text, printed + text))
-    items.append(
-        ("f b w: an action under half a character", "f b w: an action under half a character")
-    )
+    marks = "f b w +" if FUSED in kinds else "f b w"
+    items.append((f"{marks}: an action under half a character",) * 2)
     items.append(("blank: idle", "blank: idle"))
     lines: list[str] = []
     visible, printed = "legend:", "legend:"
@@ -186,19 +209,41 @@ def _render_row(
         if not kind:
             out.append(" " * (end - cell))
         elif kind.islower():
-            mark = kind * (end - cell)
-            out.append(_MARK_COLOR[kind.upper()] + mark + _RESET if color else mark)
+            upper = kind.upper()
+            mark = _MARK[upper] * (end - cell)
+            out.append(_MARK_COLOR[upper] + mark + _RESET if color else mark)
         else:
             index = owner[cell]
             assert index is not None
-            block = _block_text(events[index], end - cell, color)
-            out.append(_BLOCK_COLOR[kind] + block + _RESET if color else block)
+            out.append(_block(events[index].action, end - cell, color))
         cell = end
     return "".join(out)
 
 
-def _block_text(event: Event, width: int, color: bool) -> str:
-    kind, microbatch = event.action.kind, str(event.action.microbatch)
+def _block(action: Action, width: int, color: bool) -> str:
+    """The cells of one action's box, coloured when ``color``; a fused action's box is its
+    forward's half, then its backward's (opening with "+"), then one cell for its W."""
+    if not action.parts:
+        return _painted(action.kind, _block_text(action, width, color), color)
+    forward, backward, *weight = action.parts
+    if width < 2:
+        return _painted(FORWARD, "+" * width, color)
+    thin = 1 if weight and width >= 5 else 0
+    first = (width - thin + 1) // 2
+    second = width - thin - first
+    return (
+        _painted(FORWARD, _block_text(forward, first, color), color)
+        + _painted(BACKWARD, "+" + _block_text(backward, second - 1, color), color)
+        + _painted(WEIGHT, _FILL[WEIGHT] * thin, color)
+    )
+
+
+def _painted(kind: str, text: str, color: bool) -> str:
+    return _BLOCK_COLOR[kind] + text + _RESET if color and text else text
+
+
+def _block_text(action: Action, width: int, color: bool) -> str:
+    kind, microbatch = action.kind, str(action.microbatch)
     label = kind + microbatch
     # Without colour the kind must stay readable, so a bare number is shown only in colour.
     if width < len(label):

@@ -11,7 +11,7 @@ from itertools import chain
 import numpy as np
 
 from gpipe.analysis.timeline import Event, Transfer
-from gpipe.schedule import KINDS, WEIGHT, Action, Schedule
+from gpipe.schedule import KINDS, WEIGHT, Action, Schedule, units
 
 __all__ = ["ActionColumns", "SimulatedColumns", "TransferColumns"]
 
@@ -35,13 +35,32 @@ def _collector_paused() -> Iterator[None]:
 @dataclass(frozen=True)
 class ActionColumns:
     """A schedule's actions, device by device in list order, as arrays: ``kind`` (an index
-    into KINDS), ``stage`` and ``microbatch``; device ``d``'s are ``offsets[d]:offsets[d+1]``."""
+    into KINDS), ``stage`` and ``microbatch``; device ``d``'s are ``offsets[d]:offsets[d+1]``.
+
+    A fused action takes one row per part, in order; ``parts`` then gives, per listed
+    action (every device's, in order), how many rows it takes (None: one each), and
+    :meth:`listed` folds rows back into listed actions.
+    """
 
     kind: np.ndarray
     stage: np.ndarray
     microbatch: np.ndarray
     device: np.ndarray
     offsets: list[int]
+    parts: np.ndarray | None = None
+
+    def listed(self, values: np.ndarray, how: str) -> np.ndarray:
+        """``values`` per row folded into one per listed action: its parts' "first",
+        "last" or "max" value."""
+        if self.parts is None:
+            return values
+        last = np.cumsum(self.parts) - 1
+        if how == "last":
+            return values[last]
+        first = last - self.parts + 1
+        if how == "first":
+            return values[first]
+        return np.maximum.reduceat(values, first) if len(values) else values
 
     @property
     def split_backward(self) -> bool:
@@ -50,7 +69,11 @@ class ActionColumns:
 
     @classmethod
     def of(cls, schedule: Schedule) -> ActionColumns:
-        rows = schedule.actions
+        rows: Sequence[Sequence[Action]] = schedule.actions
+        parts = None
+        if schedule.fused:
+            parts = np.array([len(a.units) for row in rows for a in row], np.int64)
+            rows = [units(row) for row in rows]
         lengths = [len(row) for row in rows]
         count = sum(lengths)
         flat = list(chain.from_iterable(rows))
@@ -62,7 +85,11 @@ class ActionColumns:
         microbatch = np.fromiter([a.microbatch for a in flat], np.int64, count)
         offsets = [0, *np.cumsum(lengths).tolist()]
         device = np.repeat(np.arange(len(rows)), lengths)
-        return cls(kind, stage, microbatch, device, offsets)
+        return cls(kind, stage, microbatch, device, offsets, parts)
+
+    def listed_offsets(self, schedule: Schedule) -> list[int]:
+        """Each device's slice of the listed actions (:meth:`listed`'s output)."""
+        return [0, *np.cumsum([len(row) for row in schedule.actions]).tolist()]
 
 
 @dataclass(frozen=True)

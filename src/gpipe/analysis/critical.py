@@ -14,6 +14,9 @@ so the waits say where a runtime loses time:
 
 A simulated timeline has no waits unless its cost model has a transfer cost; a measured one
 shows what a runtime adds to the ideal, action by action.
+
+A fused action is one link: it waits for what any of its parts needs from outside the
+pair, and what needs one of its parts waits for the whole pair.
 """
 
 from __future__ import annotations
@@ -108,7 +111,14 @@ def critical_path(timeline: Timeline) -> CriticalPath:
     device only.
     """
     events = timeline.events
-    where = {e.action: (d, i) for d, device in enumerate(events) for i, e in enumerate(device)}
+    # NOTE: keyed by plain actions, a fused event's parts each pointing at the whole event,
+    # since a dependency names the part it needs.
+    where = {
+        unit: (d, i)
+        for d, device in enumerate(events)
+        for i, e in enumerate(device)
+        for unit in e.action.units
+    }
     if not where:
         return CriticalPath([], timeline.unit)
     stages = max(action.stage for action in where) + 1
@@ -125,7 +135,11 @@ def critical_path(timeline: Timeline) -> CriticalPath:
     device, i = last
     while True:
         event = events[device][i]
-        made = [where[a] for a in _inputs(event.action, stages, skips) if a in where]
+        made = [
+            where[a]
+            for a in _inputs(event.action, stages, skips)
+            if a in where and where[a] != (device, i)
+        ]
         binding = max(made, key=end, default=None)
         if binding is not None and (i == 0 or end(binding) > end((device, i - 1))):
             after = "device" if binding[0] == device else "message"
@@ -140,8 +154,12 @@ def critical_path(timeline: Timeline) -> CriticalPath:
 
 
 def _inputs(action: Action, stages: int, skips: dict[Action, set[int]]) -> list[Action]:
-    """The actions whose results ``action`` needs: the schedule's dependencies, and the
-    stages that sent to it past their neighbours (a dataflow's skips)."""
-    kind, mb = action.kind, action.microbatch
-    senders = skips.get(action, ())
-    return [*dependencies(action, stages), *(Action(kind, s, mb) for s in senders)]
+    """The actions whose results ``action`` (each of its parts, if fused) needs: the
+    schedule's dependencies, and the stages that sent to it past their neighbours (a
+    dataflow's skips)."""
+    sent = [
+        Action(unit.kind, sender, unit.microbatch)
+        for unit in action.units
+        for sender in skips.get(unit, ())
+    ]
+    return [*dependencies(action, stages), *sent]

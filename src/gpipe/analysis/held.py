@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
-from gpipe.schedule import BACKWARD, FORWARD, WEIGHT
+from gpipe.schedule import BACKWARD, FORWARD, FUSED, WEIGHT
 
 if TYPE_CHECKING:
     from gpipe.analysis.timeline import Event, Timeline
@@ -25,7 +25,9 @@ class HeldMemory(NamedTuple):
     kept: list[float]
     """What its micro-batches keep for backward, without a running backward's work: rises as
     a forward starts (and as a zero-bubble B ends, by what it keeps for W), falls as the
-    backward or W that frees a micro-batch ends."""
+    backward or W that frees a micro-batch ends. A fused action counts as its parts: it
+    rises as it starts, for its forward, and falls as it ends, for its backward (its count
+    while it runs is the most the pair held, which may include the backward's work)."""
 
 
 def held_memory(timeline: Timeline) -> list[HeldMemory]:
@@ -43,7 +45,7 @@ def held_memory(timeline: Timeline) -> list[HeldMemory]:
         for event, left in zip(events, held_after(events)):
             times += [event.start - origin, event.end - origin]
             held += [event.memory, left]
-            kept += [event.memory if event.kind == FORWARD else kept[-1], left]
+            kept += [event.memory if event.kind in (FORWARD, FUSED) else kept[-1], left]
         series.append(HeldMemory([*times, end - origin], [*held, held[-1]], [*kept, kept[-1]]))
     return series
 
@@ -53,7 +55,8 @@ def held_after(events: Sequence[Event]) -> list[float]:
 
     Each event's ``left``, where every event has one. A timeline without them (built by
     hand, or saved before they were recorded) is walked by the rule the runtime counts by:
-    a forward leaves its ``memory``; a backward frees what its forward kept.
+    a forward leaves its ``memory``; a backward frees what its forward kept; a fused
+    action does both, its forward's part first.
 
     NOTE: with W actions (zero-bubble) and no ``left``, the walk cannot go on: what a B
     keeps for its W shows in no event. Each action is then taken to leave its ``memory``
@@ -68,11 +71,12 @@ def held_after(events: Sequence[Event]) -> list[float]:
     kept: dict[tuple[int, int], float] = {}  # per micro-batch of a stage
     out = []
     for e in events:
-        key = (e.action.stage, e.action.microbatch)
-        if e.kind == FORWARD:
-            kept[key] = e.memory - level
-            level = e.memory
-        elif e.kind == BACKWARD:
-            level -= kept.pop(key, 0)
+        for unit in e.action.units:
+            key = (unit.stage, unit.microbatch)
+            if unit.kind == FORWARD:
+                kept[key] = e.memory - level
+                level = e.memory
+            elif unit.kind == BACKWARD:
+                level -= kept.pop(key, 0)
         out.append(level)
     return out

@@ -17,7 +17,7 @@ and it follows the rule the runtime counts by (see ``gpipe.runtime.saved`` and t
 from __future__ import annotations
 
 from collections.abc import Sequence
-from itertools import chain
+from itertools import chain, pairwise
 
 import numpy as np
 
@@ -60,10 +60,12 @@ def memory_per_action(
     columns = ActionColumns.of(schedule)
     if len(columns.stage) and int(columns.stage.max()) >= schedule.stages:
         raise IndexError("an action on a stage the schedule does not have")
-    memory = memory_columns(
+    most = memory_columns(
         columns, schedule, full, kept, checkpoint, gradient=gradient, deferred=deferred
-    )[0].tolist()
-    return [memory[a:b] for a, b in zip(columns.offsets, columns.offsets[1:])]
+    )[0]
+    memory = columns.listed(most, "max").tolist()
+    offsets = columns.listed_offsets(schedule)
+    return [memory[a:b] for a, b in pairwise(offsets)]
 
 
 def memory_columns(

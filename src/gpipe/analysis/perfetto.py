@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gpipe.analysis.held import held_memory
-from gpipe.analysis.labels import KIND_NAMES
+from gpipe.analysis.labels import KIND_NAMES, action_label
 
 if TYPE_CHECKING:
     from gpipe.analysis.timeline import Timeline
@@ -26,7 +26,10 @@ def to_chrome_trace(
 
     Each action is one complete event (``"ph": "X"``) named like ``"F3"`` on its device's
     track, with times in microseconds from the timeline's start and ``args`` holding stage,
-    micro-batch, memory and, where recorded, what it left held. A device is a thread of
+    micro-batch, memory and, where recorded, what it left held. A fused action is one
+    slice named by its parts, ``"F3+B1"``, in category "fused", whose ``args["parts"]``
+    lists them in the text form (``["1F3", "1B1"]``); its stage and micro-batch are its
+    forward's. A device is a thread of
     one process, or, for a timeline of several processes (``timeline.processes``), a
     process track of its own named "rank d". When any memory is recorded, a counter track
     (``"ph": "C"``) per device follows what it holds for backward
@@ -60,12 +63,18 @@ def to_chrome_trace(
         pid, tid = tracks.compute(device)
         for e in device_events:
             action = e.action
-            args = {"stage": action.stage, "microbatch": action.microbatch, "memory": e.memory}
+            args: dict[str, Any] = {
+                "stage": action.stage,
+                "microbatch": action.microbatch,
+                "memory": e.memory,
+            }
             if e.left is not None:
                 args["left"] = e.left
+            if action.parts:
+                args["parts"] = [str(part) for part in action.parts]
             events.append(
                 {
-                    "name": f"{action.kind}{action.microbatch}",
+                    "name": action_label(action),
                     "cat": KIND_NAMES[action.kind],
                     "ph": "X",
                     "pid": pid,

@@ -5,21 +5,25 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from gpipe.analysis.held import held_memory
-from gpipe.analysis.labels import KIND_NAMES, format_memory, format_time, kinds_in
-from gpipe.schedule import BACKWARD, FORWARD, WEIGHT
+from gpipe.analysis.labels import KIND_NAMES, action_label, format_memory, format_time, kinds_in
+from gpipe.schedule import BACKWARD, FORWARD, FUSED, WEIGHT
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
 
     from gpipe.analysis.timeline import Timeline
+    from gpipe.schedule import Action
 
 __all__ = ["plot"]
 
 # One colour per kind; later virtual stages of a device are drawn lighter.
 _PLOT_COLOR = {FORWARD: "#4c72b0", BACKWARD: "#55a868", WEIGHT: "#dd8452"}
+_FUSED_EDGE = "0.15"  # the outline that holds a fused action's halves together as one bar
+_FUSED_LABEL = "F+B (fused)"
+_THIN = 0.2  # the share of a fused bar its W part takes
 _FIG_WIDTH = 12.0  # inches
 _MOST_ARROWS = 3000  # beyond that, message lines hide the bars
 _DPI = 100
@@ -38,6 +42,9 @@ def plot(
 
     Bars carry their micro-batch label when it fits. Later virtual stages of a device (the
     chunks of interleaved schedules) are drawn in a lighter shade of their kind's colour.
+    A fused action (a forward and a backward issued together) is one outlined bar split
+    in two halves, coloured as its F and its B (and a thin W slice at its end when it has
+    one), labelled like ``F3+B1``; the legend then names "F+B (fused)".
     The figure is drawn with matplotlib's Agg canvas directly, so the caller's pyplot
     backend is left alone.
 
@@ -92,7 +99,8 @@ def _panel_name(timeline: Timeline) -> str:
 def _chunks(timeline: Timeline) -> int:
     """Stages per device, as drawn: chunk ``stage // K`` (round-robin and V alike)."""
     devices = max(timeline.devices, 1)
-    return 1 + max((e.action.stage // devices for d in timeline.events for e in d), default=0)
+    stages = (u.stage for d in timeline.events for e in d for u in e.action.units)
+    return 1 + max((stage // devices for stage in stages), default=0)
 
 
 def _draw_gantt(
@@ -112,21 +120,27 @@ def _draw_gantt(
     edge = 0.4 if shortest * points_per_unit > 4 else 0.0
     for device, events in enumerate(timeline.events):
         bars: dict[tuple[str, int], list[tuple[float, float]]] = {}
+        fused: list[tuple[float, float]] = []
         for e in events:
-            chunk = e.action.stage // max(devices, 1)
-            bars.setdefault((e.action.kind, chunk), []).append((e.start - origin, e.duration))
-            label = f"{e.action.kind}{e.action.microbatch}"
+            at = e.start - origin
+            for unit, (offset, length) in zip(e.action.units, _slices(e.action, e.duration)):
+                chunk = unit.stage // max(devices, 1)
+                bars.setdefault((unit.kind, chunk), []).append((at + offset, length))
+            if e.action.parts:
+                fused.append((at, e.duration))
+            label = action_label(e.action)
             if e.duration * points_per_unit < char_points * len(label) + 2:
-                label = str(e.action.microbatch)
+                label = "+".join(str(unit.microbatch) for unit in e.action.units[:2])
             if e.duration * points_per_unit >= char_points * len(label) + 2:
+                dark = any(unit.stage >= max(devices, 1) for unit in e.action.units)
                 ax.text(
-                    e.start - origin + e.duration / 2,
+                    at + e.duration / 2,
                     device,
                     label,
                     ha="center",
                     va="center",
                     fontsize=7,
-                    color="white" if chunk == 0 else "black",
+                    color="black" if dark else "white",
                 )
         for (kind, chunk), spans in bars.items():
             rgb = to_rgb(_PLOT_COLOR[kind])
@@ -134,6 +148,15 @@ def _draw_gantt(
             shade = tuple(c + (1 - c) * light for c in rgb)
             ax.broken_barh(
                 spans, (device - 0.4, 0.8), facecolors=shade, edgecolors="white", linewidths=edge
+            )
+        if fused:  # over the halves, so they read as one bar
+            ax.broken_barh(
+                fused,
+                (device - 0.4, 0.8),
+                facecolors="none",
+                edgecolors=_FUSED_EDGE,
+                linewidths=0.8,
+                gid="fused",
             )
     if 0 < len(timeline.transfers) <= _MOST_ARROWS:
         # A message: from its sender's row when handed over to its receiver's on arrival.
@@ -156,19 +179,41 @@ def _draw_gantt(
     )
     ax.grid(axis="x", alpha=0.3)
     if legend is not None:
+        from matplotlib.legend_handler import HandlerTuple
+
         present = {kind for panel in legend for kind in kinds_in(panel)}
-        kinds = [kind for kind in (FORWARD, BACKWARD, WEIGHT) if kind in present]
-        handles = [Patch(color=_PLOT_COLOR[k], label=KIND_NAMES[k]) for k in kinds]
+        # A colour is named when any bar shows it, a fused bar's halves too.
+        colored = {u.kind for p in legend for d in p.events for e in d for u in e.action.units}
+        kinds = [kind for kind in (FORWARD, BACKWARD, WEIGHT) if kind in colored]
+        handles: list[Any] = [Patch(color=_PLOT_COLOR[k]) for k in kinds]
+        labels = [KIND_NAMES[k] for k in kinds]
+        if FUSED in present:
+            halves = (FORWARD, BACKWARD)
+            handles.append(tuple(Patch(fc=_PLOT_COLOR[k], ec=_FUSED_EDGE) for k in halves))
+            labels.append(_FUSED_LABEL)
         if max(_chunks(panel) for panel in legend) > 1:
-            handles.append(Patch(color="#d0d0d0", label="lighter: later virtual stage"))
+            handles.append(Patch(color="#d0d0d0"))
+            labels.append("lighter: later virtual stage")
         ax.legend(
-            handles=handles,
+            handles,
+            labels,
+            handler_map={tuple: HandlerTuple(ndivide=None, pad=0)},
             loc="lower right",
             bbox_to_anchor=(1.0, 1.0),
             ncols=3,
             fontsize=8,
             frameon=False,
         )
+
+
+def _slices(action: Action, duration: float) -> list[tuple[float, float]]:
+    """(offset, length) of each of ``action``'s units within its bar: all of it for a plain
+    action; halves for a fused one's F and B, after a thin W slice is taken off the end."""
+    if not action.parts:
+        return [(0.0, duration)]
+    thin = _THIN * duration if len(action.parts) > 2 else 0.0
+    half = (duration - thin) / 2
+    return [(0.0, half), (half, half), (2 * half, thin)][: len(action.parts)]
 
 
 def _draw_memory(ax: Axes, timeline: Timeline) -> None:

@@ -42,6 +42,9 @@ class Costs:
             the previous stage's backward receives; both hold it while they run.
         deferred_bytes: what a backward keeps for its W (schedules with W actions): the
             gradients at the parameter forks. See :mod:`gpipe.analysis.memory`.
+        fused: what a fused action (a forward and a backward issued together, DualPipeV)
+            takes, as a fraction of its parts run one after another: 1.0 when they do not
+            overlap at all (one device's CPU), less where the hardware overlaps them.
     """
 
     forward: PerStage = 1.0
@@ -53,6 +56,7 @@ class Costs:
     deferred_bytes: PerStage = 0
     latency: float = 0.0
     bandwidth: float = math.inf
+    fused: float = 1.0
 
     @classmethod
     def from_timeline(cls, timeline: Timeline, stages: int | None = None) -> Costs:
@@ -165,7 +169,10 @@ def _simulate(schedule: Schedule, costs: Costs, skips: Sequence[Skip]) -> Timeli
         raise _invalid(schedule)
     waits = _waits(kind, stage, mb, stages, microbatches, edge, skips, placement, costs)
     duration = np.array([forward, backward, weight], np.float64)[kind, stage]
-    times = _run(columns, key, waits, duration)
+    groups = _groups(columns)
+    for first, count_parts in groups:
+        duration[first : first + count_parts] *= costs.fused
+    times = _run(columns, key, waits, duration, groups)
     if times is None:
         raise _invalid(schedule)
     start, end, finished = times
@@ -180,7 +187,13 @@ def _simulate(schedule: Schedule, costs: Costs, skips: Sequence[Skip]) -> Timeli
     )
     messages = _messages(columns, waits, finished, placement, sizes)
     simulated = SimulatedColumns(
-        schedule.actions, columns.offsets, start, end, memory, left, messages
+        schedule.actions,
+        columns.listed_offsets(schedule),
+        columns.listed(start, "first"),
+        columns.listed(end, "last"),
+        columns.listed(memory, "max"),
+        columns.listed(left, "last"),
+        messages,
     )
     return Timeline.from_columns(simulated, "cost", schedule.name)
 
@@ -298,12 +311,29 @@ def _messages(
     )
 
 
+def _groups(columns: ActionColumns) -> list[tuple[int, int]]:
+    """(first row, rows) of each fused action, in row order."""
+    if columns.parts is None:
+        return []
+    last = np.cumsum(columns.parts)
+    fused = np.flatnonzero(columns.parts > 1)
+    return [(int(last[i] - columns.parts[i]), int(columns.parts[i])) for i in fused]
+
+
 def _run(
-    columns: ActionColumns, key: np.ndarray, waits: _Waits, duration: np.ndarray
+    columns: ActionColumns,
+    key: np.ndarray,
+    waits: _Waits,
+    duration: np.ndarray,
+    groups: Sequence[tuple[int, int]] = (),
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
     """Start and end of every action, and when each key (F, B or W of a stage and
     micro-batch) finished: each device runs its list in order; an action starts when the
     device's previous action and everything it waits for have finished, plus transfers.
+
+    A fused action's parts (``groups``) run as one: the first starts once everything any
+    part waits for has finished, the others follow it, and what each part made is seen
+    by the other devices only when the last has ended (the pair is atomic).
 
     Round by round, every device whose next action can start runs it: a round is a dozen
     array operations over the devices, and the rounds number the longest chain of actions
@@ -337,15 +367,21 @@ def _run(
     lasting[slot] = duration
     end = np.full(slots + 1, np.nan)  # nan: not run yet
     end[starts], end[free] = 0.0, -np.inf
+    # What other actions see of an action's end: its own, or its fused action's last part's.
+    seen = end if not groups else end.copy()
+    closes = _merge_group_waits(groups, slot, deps, extra, free)
+    inside = np.zeros(slots + 1, bool)
+    for members in closes.values():
+        inside[members] = True
     start = np.empty(slots)
     cursor, left = starts + 1, count
     while left:
         arrived = end[cursor - 1]  # the device's previous action (or its start)
         for dep, more in zip(deps, extra):
             if more is None:
-                np.maximum(arrived, end[dep[cursor]], out=arrived)
+                np.maximum(arrived, seen[dep[cursor]], out=arrived)
             else:
-                np.maximum(arrived, end[dep[cursor]] + more[cursor], out=arrived)
+                np.maximum(arrived, seen[dep[cursor]] + more[cursor], out=arrived)
         ready = arrived == arrived  # nan while waiting
         runs = np.count_nonzero(ready)
         if not runs:
@@ -355,9 +391,50 @@ def _run(
             at, arrived = cursor[ready], arrived[ready]
         start[at] = arrived
         end[at] = arrived + lasting[at]
+        if groups:
+            ran = np.atleast_1d(at)
+            alone = ~inside[ran]  # a fused action's parts are seen only once it ends
+            seen[ran[alone]] = end[ran[alone]]
+            for last in ran[~alone].tolist():
+                if last in closes:
+                    seen[closes[last]] = end[last]
         cursor = cursor + ready
         left -= runs
-    return start[slot], end[slot], end[by_key]
+    return start[slot], end[slot], seen[by_key]
+
+
+def _merge_group_waits(
+    groups: Sequence[tuple[int, int]],
+    slot: np.ndarray,
+    deps: list[np.ndarray],
+    extra: list[np.ndarray | None],
+    free: int,
+) -> dict[int, np.ndarray]:
+    """Move what a fused action's later parts wait for onto its first part (in new
+    columns), since the parts start as one; what a part waits for within its own fused
+    action is dropped. Returns, per fused action's last slot, all its slots: the slot
+    that, once run, makes the whole fused action seen."""
+    closes: dict[int, np.ndarray] = {}
+    width = len(deps)
+    for first, count in groups:
+        mine = slot[first : first + count]
+        head, column = int(mine[0]), width  # the next new column this fused action fills
+        for part in mine[1:].tolist():
+            for j in range(width):
+                target = int(deps[j][part])
+                deps[j][part] = free
+                if target == free or target in mine:
+                    continue
+                if column == len(deps):
+                    deps.append(np.full_like(deps[0], free))
+                    extra.append(np.zeros(len(deps[0])))
+                more, added = extra[j], extra[column]
+                assert added is not None
+                deps[column][head] = target
+                added[head] = 0.0 if more is None else more[part]
+                column += 1
+        closes[int(mine[-1])] = mine
+    return closes
 
 
 def _invalid(schedule: Schedule) -> ScheduleError:
@@ -375,26 +452,49 @@ def costs_from_timeline(timeline: Timeline, stages: int | None = None) -> Costs:
     Feeding the result to :func:`simulate` predicts the timeline from its own parts, so
     prediction and measurement can be compared. Transfer time is left at 0.
 
+    A fused event (a forward and a backward issued together) has no time per part, so it
+    is left out of the medians; ``fused`` is the median, over fused events, of its
+    duration over what its parts take one after another (its forward's stage's median F
+    plus its backward's stage's median B, and W if it carries one), clamped to [0.25, 2].
+    Events whose parts' stages have no plain events of those kinds are left out of it.
+
     Args:
         timeline: any timeline; the stage of each event is its action's stage.
         stages: the number of model stages; by default one more than the largest seen.
 
     Returns:
         Per-stage costs; a stage or kind with no events gets 0. ``weight`` is the median W
-        time if the timeline has W events, else 0 (B then already includes it).
+        time if the timeline has W events, else 0 (B then already includes it). ``fused``
+        is 1.0 without fused events to measure it from.
     """
     seen = [e for device in timeline.events for e in device]
-    count = stages if stages is not None else 1 + max((e.action.stage for e in seen), default=-1)
+    most = max((u.stage for e in seen for u in e.action.units), default=-1)
+    count = stages if stages is not None else 1 + most
     durations: dict[str, list[list[float]]] = {
         kind: [[] for _ in range(count)] for kind in (FORWARD, BACKWARD, WEIGHT)
     }
     for event in seen:
-        durations[event.action.kind][event.action.stage].append(event.duration)
+        if not event.action.parts:
+            durations[event.action.kind][event.action.stage].append(event.duration)
 
-    def medians(kind: str) -> list[float]:
-        return [statistics.median(d) if d else 0.0 for d in durations[kind]]
-
-    return Costs(forward=medians(FORWARD), backward=medians(BACKWARD), weight=medians(WEIGHT))
+    median = {
+        kind: [statistics.median(d) if d else 0.0 for d in per_stage]
+        for kind, per_stage in durations.items()
+    }
+    ratios = []
+    for event in seen:
+        parts = event.action.parts
+        if parts and all(durations[u.kind][u.stage] for u in parts):
+            alone = sum(median[u.kind][u.stage] for u in parts)
+            if alone > 0:
+                ratios.append(event.duration / alone)
+    fused = min(max(statistics.median(ratios), 0.25), 2.0) if ratios else 1.0
+    return Costs(
+        forward=median[FORWARD],
+        backward=median[BACKWARD],
+        weight=median[WEIGHT],
+        fused=fused,
+    )
 
 
 def skips_from_timeline(timeline: Timeline, pairs: Sequence[tuple[int, int]]) -> list[Skip]:

@@ -19,6 +19,10 @@ __all__ = ["Columns", "Event", "Timeline", "Transfer"]
 class Event:
     """One action as it ran (or was simulated) on a device.
 
+    A fused action (``1F3+1B1``, a forward and a backward issued together) is one event:
+    from its first part's start to its last part's end, ``memory`` the most the pair held
+    and ``left`` what it leaves; its parts have no times of their own.
+
     ``memory`` is the most bytes the device held while the action ran: the stage inputs
     and the activations autograd saved of every micro-batch in flight, and what a backward
     holds while it runs (the gradients it receives and sends, a recomputation) or keeps for
@@ -44,17 +48,17 @@ class Event:
 
     @property
     def kind(self) -> str:
-        """ "F", "B" or "W" (the action's kind)."""
+        """ "F", "B", "W" or "F+B" for a fused action (the action's kind)."""
         return self.action.kind
 
     @property
     def stage(self) -> int:
-        """The model stage the action ran on."""
+        """The model stage the action ran on (a fused action's: its forward's)."""
         return self.action.stage
 
     @property
     def microbatch(self) -> int:
-        """The micro-batch the action ran."""
+        """The micro-batch the action ran (a fused action's: its forward's)."""
         return self.action.microbatch
 
 
@@ -251,7 +255,10 @@ class Timeline:
         return [max((e.memory for e in device), default=0) for device in self._events]
 
     def durations(self, kind: str) -> list[list[float]]:
-        """Per device, the durations of its actions of ``kind`` ("F", "B" or "W")."""
+        """Per device, the durations of its actions of ``kind`` ("F", "B", "W" or "F+B").
+
+        A fused action counts under "F+B" only, never as an F or a B: its parts have no
+        times of their own."""
         return [[e.duration for e in device if e.action.kind == kind] for device in self.events]
 
     def critical_path(self) -> CriticalPath:

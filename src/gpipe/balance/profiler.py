@@ -116,12 +116,14 @@ def profile_samples(
     faster way kept: while other work holds a core, every parallel op waits for its
     threads, which no number of rounds gets past (see :mod:`gpipe.balance.layer_timing`).
 
+    ``module``, ``device``, ``repeats``, ``warmup``, ``optimizer``, ``split_backward`` and
+    ``pool`` are as :func:`profile` takes them.
+
     Args:
-        module, device, repeats, warmup, optimizer, split_backward, pool: as :func:`profile`.
         samples: micro-batches of input, one profile each.
 
     Raises:
-        As :func:`profile`; ValueError for no samples.
+        ValueError: no samples; and what :func:`profile` raises.
     """
     if not isinstance(module, nn.Sequential):
         raise TypeError(

@@ -35,7 +35,7 @@ class Outcome:
         starts = [sum(self.balance[:stage]) for stage in range(len(self.balance) + 1)]
         out = []
         for events in self.run.timeline.events:
-            stages = sorted({e.action.stage for e in events})
+            stages = sorted({unit.stage for e in events for unit in e.action.units})
             parts = []
             for stage in stages:
                 a, b = starts[stage], starts[stage + 1]

@@ -4,9 +4,10 @@ The worker runs its actions and asks for and hands over messages by tag, as it d
 process. This transport, driven by the worker's own thread, posts the program's batches
 (:mod:`gpipe.schedule.lowering`) in the program's order: a batch goes out as soon as the
 actions before it have run, so a send leaves right after the action that made it, and a
-receive is posted before the action that needs it and waited for right before that action
-starts. Every rank derives its program from the same schedule, so both ends of every pair
-agree on the order; the lowering guarantees no program can hang under NCCL's rules.
+receive is posted in the step its message is made and waited for right before the action
+that reads it starts. Every rank derives its program from the same schedule, so both ends
+of every pair agree on the order; the lowering guarantees no program can hang under NCCL's
+rules.
 
 What a batch carries is agreed per step key (:mod:`gpipe.distributed.signature_rounds`),
 put on the wire by a poster (:mod:`gpipe.distributed.posting`), timed for the timeline

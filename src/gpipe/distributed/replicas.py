@@ -28,8 +28,9 @@ def last_gradient_actions(schedule: Schedule, device: int) -> dict[int, Action]:
     kind = WEIGHT if schedule.split_backward else BACKWARD
     last: dict[int, Action] = {}
     for action in schedule.actions[device]:
-        if action.kind == kind:
-            last[action.stage] = action
+        for unit in action.units:  # a fused action finishes its backward's stage
+            if unit.kind == kind:
+                last[unit.stage] = action
     return last
 
 

@@ -19,7 +19,12 @@ from gpipe.schedule import Action, in_one_order
 
 __all__ = ["Step"]
 
-_KIND_NAMES = {"F": "forward", "B": "backward", "W": "weight gradient"}
+_KIND_NAMES = {
+    "F": "forward",
+    "B": "backward",
+    "W": "weight gradient",
+    "F+B": "fused forward and backward",
+}
 
 
 class Step:

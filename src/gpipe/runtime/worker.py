@@ -68,6 +68,7 @@ class StageWorker:
         # each run: pipe(x), then loss.backward(), are two runs of one step).
         self._clock: GpuClock | None = None
         self._started: Any = None
+        self._side: Any = None  # a fused action's forward's stream, on a GPU
 
     def entered(self) -> contextlib.ExitStack:
         """The state a run's actions run in (see :func:`~gpipe.runtime.context.worker_entered`),
@@ -87,18 +88,70 @@ class StageWorker:
     def perform(self, action: Action) -> None:
         """Run one action; an error it raises is marked with the action."""
         try:
-            if action.kind == FORWARD:
-                forward(self, action)
-            elif action.kind == BACKWARD:
-                backward(self, action)
+            if action.parts:
+                self._fused(action)
             else:
-                weight(self, action)
+                self._unit(action)
             after = self.state.after
             if after is not None:
                 after(action)
         except Exception as exc:
             exc.gpipe_action = action  # type: ignore[attr-defined]
             raise
+
+    def _unit(self, action: Action) -> None:
+        if action.kind == FORWARD:
+            forward(self, action)
+        elif action.kind == BACKWARD:
+            backward(self, action)
+        else:
+            weight(self, action)
+
+    def _fused(self, action: Action) -> None:
+        """Run a fused action's parts so that they can overlap, and record it as one event.
+
+        On a GPU the forward goes on a side stream of the device while the backward (and
+        its W) run on the current one, so the GPU can run them at once; the current stream
+        then waits for the side one. On a CPU they run one after the other.
+
+        NOTE: the side stream first waits for the current one, so a block the caching
+        allocator hands out on it again is never one the current stream still reads.
+        """
+        events, timed = len(self.events), len(self.state.timed)
+        finished: Any = None
+        forward_part, *backward_parts = action.parts
+        if self.torch_device.type == "cuda":
+            current = torch.cuda.current_stream(self.torch_device)
+            if self._side is None:
+                self._side = torch.cuda.Stream(self.torch_device)
+            self._side.wait_stream(current)
+            with torch.cuda.stream(self._side):
+                self._unit(forward_part)
+            for part in backward_parts:
+                self._unit(part)
+            current.wait_stream(self._side)
+            finished = self._clock.mark() if self._clock is not None else None
+        else:
+            for part in action.parts:
+                self._unit(part)
+        parts = self.events[events:]
+        del self.events[events:]
+        self.events.append(
+            Event(
+                action,
+                parts[0].start,
+                max(e.end for e in parts),
+                max(e.memory for e in parts),
+                parts[-1].left,
+            )
+        )
+        marks = self.state.timed[timed:]
+        if marks:
+            del self.state.timed[timed:]
+            # NOTE: from the forward's start mark (side stream) to a mark on the current
+            # stream once it waits for the side one
+            end = marks[-1][4] if finished is None else finished
+            self.state.timed.append((self.device, events, marks[0][2], marks[0][3], end))
 
     def _begin(self) -> int:
         """Mark an action's start: now, and on a GPU when its stream gets here."""

@@ -4,10 +4,12 @@ An F sends its output to the next stage and a B its input gradient to the previo
 When the two stages live on different devices, that is a message between the devices,
 received by the action that consumes it (F of the next stage, B of the previous one).
 Between one pair of devices, point-to-point libraries such as NCCL match messages in the
-order they were posted, with no tag to tell them apart, so a transport that posts its
-receives in its own action order needs the sender to send in that same order; the
-validator checks that. The distributed runtime posts what :mod:`gpipe.schedule.lowering`
-places, which orders each pair's messages itself.
+order they were posted, with no tag to tell them apart, so a transport that posted its
+receives in its own action order would need the sender to send in that same order
+(:func:`keeps_pair_order`). Ours do not: the distributed runtime posts what
+:mod:`gpipe.schedule.lowering` places, which orders each pair's messages itself, and the
+in-process one files messages by tag. So the validator accepts orders that do not keep
+each pair's order, torch's zbv and dualpipev among them.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, NamedTuple
 
-from gpipe.schedule.action import BACKWARD, FORWARD, Action, dependencies
+from gpipe.schedule.action import BACKWARD, FORWARD, Action, dependencies, units
 
 if TYPE_CHECKING:
     from gpipe.schedule.schedule import Schedule
@@ -91,12 +93,14 @@ def communication(schedule: Schedule) -> list[list[Message]]:
     for device, actions in enumerate(schedule.actions):
         mine: list[Message] = []
         for action in actions:
-            taken = _received(action, device, schedule)
-            if taken is not None:
-                mine.append(Message(taken[0], *taken[1], RECV, action))
-            given = _sent(action, device, schedule)
-            if given is not None:
-                mine.append(Message(given[0], *given[1], SEND, action))
+            for part in action.units:
+                taken = _received(part, device, schedule)
+                if taken is not None:
+                    mine.append(Message(taken[0], *taken[1], RECV, action))
+            for part in action.units:
+                given = _sent(part, device, schedule)
+                if given is not None:
+                    mine.append(Message(given[0], *given[1], SEND, action))
         messages.append(mine)
     return messages
 
@@ -126,7 +130,7 @@ def keeps_pair_order(schedule: Schedule) -> bool:
     sent: dict[tuple[int, int], list[Tag]] = {}
     taken: dict[tuple[int, int], list[Tag]] = {}
     for device, actions in enumerate(schedule.actions):
-        for action in actions:
+        for action in units(actions):
             received = _received(action, device, schedule)
             if received is not None:
                 taken.setdefault((received[0], device), []).append(received[1])

@@ -1,20 +1,26 @@
 """Lowering: a schedule's sends and receives placed in each device's list, as data.
 
 A distributed step runs one program per device: its compute actions with the
-point-to-point operations between them. Each action's receives are posted right before it
-and its sends right after; the sends of one action and the receives of the next go out
-together as one :class:`Batch` (one ``batch_isend_irecv`` group on NCCL), so two neighbours
-that trade an activation for a gradient never wait on each other's half. For 1F1B with 2
-devices and 2 micro-batches::
+point-to-point operations between them. Each message is posted, at both ends, in the step
+it is made: the sender's send right after the action that made it, the receiver's receive
+in that same step, however much later the action that reads it runs. A receive posted
+early lets the message land while the receiver computes, so no hand-off waits on the
+critical path for its receive to be posted (torch's lowering also posts receives early).
+The sends and receives a device posts in one step go out together as one :class:`Batch`
+(one ``batch_isend_irecv`` group on NCCL), so two neighbours that trade an activation for
+a gradient never wait on each other's half. For 1F1B with 2 devices and 2 micro-batches::
 
     device 0                                device 1
-    0F0                                     [recv act 1:0 from 0]
-    [send act 1:0 to 1]                     1F0
-    0F1                                     1B0
-    [send act 1:1 to 1, recv grad 0:0 ...]  [send grad 0:0 to 0, recv act 1:1 from 0]
+    0F0
+    [send act 1:0 to 1]                     [recv act 1:0 from 0]
+    0F1                                     1F0
+    [send act 1:1 to 1]                     [recv act 1:1 from 0]
+                                            1B0
+    [recv grad 0:0 from 1]                  [send grad 0:0 to 0]
     0B0                                     1F1
-    [recv grad 0:1 from 1]                  1B1
-    0B1                                     [send grad 0:1 to 0]
+                                            1B1
+    [recv grad 0:1 from 1]                  [send grad 0:1 to 0]
+    0B1
 
 Both ends derive the same order for every pair, since each side's list follows from the
 same schedule. :func:`replay` then runs the programs under NCCL's rules, which are stricter
@@ -93,6 +99,7 @@ class Lowered:
 
     schedule: Schedule
     programs: tuple[tuple[Item, ...], ...]
+    flow: Flow | None = None
 
     def batches(self, device: int) -> list[Batch]:
         """``device``'s batches, in the order it posts them."""
@@ -106,15 +113,17 @@ class Lowered:
 
 
 def lower(schedule: Schedule, flow: Flow | None = None) -> Lowered:
-    """Each device's program: its actions, with every message posted in rounds.
+    """Each device's program: its actions, with every message posted in the step it is made.
 
     The devices run their lists in lock step (as :func:`~gpipe.schedule.run_in_steps`
-    does). At each step, every action that runs receives its inputs from the devices that
-    made them in earlier steps: the receive goes in the consumer's batch right before the
-    action, and the matching send in the producer's batch at the same step. So every batch
-    of a step meets only batches of the same step, which every device reaches once the
-    steps before are done: no program lowered this way can hang (:func:`replay` checks it),
-    whatever order a custom schedule's devices take their messages in.
+    does). At each step, every action that runs sends what it made to the devices that
+    read it: the send goes in the maker's batch right after the action, the matching
+    receive in the reader's batch of the same step, posted after the reader's own action
+    of that step (results of a step are read at later steps only). So every batch of a
+    step meets only batches of the same step, which every device reaches once the steps
+    before are done: no program lowered this way can hang (:func:`replay` checks it),
+    whatever order a custom schedule's devices take their messages in, torch's own
+    included. A fused action sends what each of its parts made.
 
     Args:
         schedule: a schedule that runs to its end (the validator checks that first).
@@ -125,26 +134,26 @@ def lower(schedule: Schedule, flow: Flow | None = None) -> Lowered:
     """
     steps = run_in_steps(schedule)
     devices = schedule.devices
-    done = [0] * devices  # actions each device has run before the current step
+    done = [0] * devices  # actions each device has run, the current step's included
     programs: list[list[Item]] = [[] for _ in range(devices)]
     for row in steps.rows:
         ops: list[list[Op]] = [[] for _ in range(devices)]
         for device, position in enumerate(row):
             if position is None:
                 continue
-            action = schedule.actions[device][position]
-            for peer, tag in _received(action, schedule, flow):
-                ops[peer].append(Op(SEND, device, tag))
-                ops[device].append(Op(RECV, peer, tag))
+            for part in schedule.actions[device][position].units:
+                for peer, tag in _made(part, schedule, flow):
+                    ops[device].append(Op(SEND, peer, tag))
+                    ops[peer].append(Op(RECV, device, tag))
         for device, position in enumerate(row):
+            if position is not None:
+                programs[device].append(schedule.actions[device][position])
+                done[device] += 1
             if ops[device]:
                 # NOTE: sends first, as a device's sends of a step leave before it waits
                 mine = sorted(ops[device], key=lambda op: op.direction != SEND)
                 programs[device].append(Batch(tuple(mine), done[device]))
-            if position is not None:
-                programs[device].append(schedule.actions[device][position])
-                done[device] += 1
-    return Lowered(schedule, tuple(tuple(program) for program in programs))
+    return Lowered(schedule, tuple(tuple(program) for program in programs), flow)
 
 
 def _edges(action: Action, schedule: Schedule, flow: Flow | None) -> tuple[list[int], list[int]]:
@@ -169,12 +178,25 @@ def _tag(kind: str, receiver: int, microbatch: int, sender: int, flow: Flow | No
     return (kind, receiver, microbatch, sender)
 
 
-def _received(action: Action, schedule: Schedule, flow: Flow | None) -> list[tuple[int, Tag]]:
+def _made(action: Action, schedule: Schedule, flow: Flow | None) -> list[tuple[int, Tag]]:
+    """(reader's device, tag) of each message ``action`` makes for another device."""
+    placement, device = schedule.placement, schedule.placement[action.stage]
+    kind = ACTIVATION if action.kind == FORWARD else GRADIENT
+    _, readers = _edges(action, schedule, flow)
+    return [
+        (placement[s], _tag(kind, s, action.microbatch, action.stage, flow))
+        for s in readers
+        if placement[s] != device
+    ]
+
+
+def _read(action: Action, schedule: Schedule, flow: Flow | None) -> list[Tag]:
+    """The tags of the messages ``action`` reads from other devices."""
     placement, device = schedule.placement, schedule.placement[action.stage]
     kind = ACTIVATION if action.kind == FORWARD else GRADIENT
     sources, _ = _edges(action, schedule, flow)
     return [
-        (placement[s], _tag(kind, action.stage, action.microbatch, s, flow))
+        _tag(kind, action.stage, action.microbatch, s, flow)
         for s in sources
         if placement[s] != device
     ]
@@ -226,12 +248,25 @@ def replay(lowered: Lowered) -> Stuck | None:
                 )
             meets.setdefault((d, b), []).append((op, p, pb))
             meets.setdefault((p, pb), []).append((their, d, b))
-    # What each batch and action waits for, besides its device's order.
+    # What each action waits for, besides its device's order: the batches holding the
+    # receives of what it reads.
+    holding = {
+        (d, op.tag): b
+        for d, own in enumerate(batches)
+        for b, batch in enumerate(own)
+        for op in batch.ops
+        if op.direction == RECV
+    }
     recv_batch: dict[tuple[int, int], list[int]] = {}  # (device, action) -> batches
-    for d, own in enumerate(batches):
-        for b, batch in enumerate(own):
-            if any(op.direction == RECV for op in batch.ops):
-                recv_batch.setdefault((d, batch.after), []).append(b)
+    for d, own_actions in enumerate(actions):
+        for a, action in enumerate(own_actions):
+            for part in action.units:
+                for tag in _read(part, lowered.schedule, lowered.flow):
+                    held = holding.get((d, tag))
+                    if held is None:
+                        problems.append(f"device {d} never receives {tag}, which {part} reads")
+                    else:
+                        recv_batch.setdefault((d, a), []).append(held)
     started = [0] * devices  # batches started (each one before it has completed)
     completed = [0] * devices
     ran = [0] * devices  # actions run

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
-from gpipe.schedule.action import WEIGHT, Action
+from gpipe.schedule.action import WEIGHT, Action, units
 from gpipe.schedule.grid import format_grid
 from gpipe.schedule.placement import round_robin
 from gpipe.schedule.text import parse_csv, to_csv
@@ -62,7 +62,12 @@ class Schedule:
     @property
     def split_backward(self) -> bool:
         """Whether weight gradients run as separate W actions (zero-bubble)."""
-        return any(action.kind == WEIGHT for device in self.actions for action in device)
+        return any(unit.kind == WEIGHT for device in self.actions for unit in units(device))
+
+    @property
+    def fused(self) -> bool:
+        """Whether some action issues a forward and a backward together (DualPipeV)."""
+        return any(action.parts for device in self.actions for action in device)
 
     def stages_of(self, device: int) -> list[int]:
         """The model stages held by ``device``, in increasing order."""
@@ -99,10 +104,11 @@ class Schedule:
         validate(self)
 
     def only(self, kinds: Sequence[str]) -> Schedule:
-        """The same schedule keeping only actions of the given kinds (order preserved)."""
+        """The same schedule keeping only actions of the given kinds (order preserved); a
+        fused action counts as its parts."""
         return Schedule(
             self.name,
-            tuple(tuple(a for a in device if a.kind in kinds) for device in self.actions),
+            tuple(tuple(a for a in units(device) if a.kind in kinds) for device in self.actions),
             self.microbatches,
             self.stages,
             self.placement,

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from gpipe.schedule.action import Action, dependencies
+from gpipe.schedule.action import Action, dependencies, units
 
 if TYPE_CHECKING:
     from gpipe.schedule.schedule import Schedule
@@ -70,7 +70,7 @@ def in_one_order(actions: Sequence[Sequence[Action]], stages: int) -> list[tuple
         ValueError: no order exists: some device's next action waits, directly or not, on
             an action behind it in its own or another device's list.
     """
-    listed = {action for device in actions for action in device}
+    listed = {unit for device in actions for unit in units(device)}
     elsewhere = {
         dep for action in listed for dep in dependencies(action, stages) if dep not in listed
     }
@@ -110,5 +110,5 @@ def _lock_step(actions: Sequence[Sequence[Action]], stages: int, done: set[Actio
             return Steps(rows, position)
         # NOTE: results become visible only at the next step, so a chain of dependent
         # actions takes one step each even when they share a device.
-        done.update(ran)
+        done.update(units(ran))
         rows.append(row)

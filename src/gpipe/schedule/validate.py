@@ -5,9 +5,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from gpipe.schedule.action import BACKWARD, FORWARD, KINDS, WEIGHT, Action, dependencies
-from gpipe.schedule.communication import RECV, SEND, Message, communication, keeps_pair_order
 from gpipe.schedule.grid import format_grid
-from gpipe.schedule.lowering import Lowered, replay
+from gpipe.schedule.lowering import Lowered, lower, replay
 from gpipe.schedule.steps import run_in_steps
 
 if TYPE_CHECKING:
@@ -35,12 +34,16 @@ def validate(schedule: Schedule) -> None:
        next action's dependencies have finished, every device reaches its end. Sends are
        taken not to block: the in-process transport queues them, and the distributed one
        sends in the background, so a device waits only for what it consumes;
-    4. messages keep their order between each pair of devices: what one device sends to
-       another (activations of its F's, gradients of its B's, for stage boundaries that
-       cross devices) goes in the order the receiver's actions take it. Point-to-point
-       libraries (NCCL) match a pair's messages in posting order, with no tags, so a
-       transport that posts its receives in action order relies on this
-       (:func:`~gpipe.schedule.communication` lists each device's messages).
+    4. its messages can be posted so that no run hangs, even under NCCL's rules:
+       :func:`~gpipe.schedule.lowering.lower` places each device's sends and receives,
+       posting every receive in the step its message is made, and
+       :func:`~gpipe.schedule.lowering.replay` runs the programs (one stream per device,
+       each pair's messages matched in posting order). Any order that passes 3 passes
+       this too, so any order torch generates runs as it is; the check stays because the
+       runtimes rely on it.
+
+    A fused action (``0F3+5B1``) counts as its parts for checks 1 and 2, and starts only
+    once every part could (3).
 
     Args:
         schedule: the schedule to check.
@@ -55,7 +58,7 @@ def validate(schedule: Schedule) -> None:
     if not problems:
         marks, problems = _check_deadlock(schedule)
     if not problems:
-        marks, problems = _check_pair_order(schedule)
+        marks, problems = _check_lowered(schedule)
     if problems:
         shown = problems[:_SHOWN]
         if len(problems) > _SHOWN:
@@ -76,24 +79,31 @@ def _check_ranges(schedule: Schedule) -> tuple[Cells, list[str]]:
     marks: Cells = []
     problems: list[str] = []
     for device, actions in enumerate(schedule.actions):
-        for position, action in enumerate(actions):
-            if action.stage >= schedule.stages:
-                problem = f"has stage {action.stage}, but stages run 0..{schedule.stages - 1}"
-            elif action.microbatch >= schedule.microbatches:
-                problem = (
-                    f"has micro-batch {action.microbatch}, but micro-batches run "
-                    f"0..{schedule.microbatches - 1}"
-                )
-            elif schedule.placement[action.stage] != device:
-                problem = (
-                    f"is on the wrong device: stage {action.stage} lives on device "
-                    f"{schedule.placement[action.stage]}"
-                )
-            else:
-                continue
-            marks.append((device, position))
-            problems.append(f"{action} on device {device} (position {position}) {problem}")
+        for position, listed in enumerate(actions):
+            for action in listed.units:
+                problem = _out_of_range(schedule, device, action)
+                if problem is not None:
+                    marks.append((device, position))
+                    problems.append(f"{action} on device {device} (position {position}) {problem}")
+                    break
     return marks, problems
+
+
+def _out_of_range(schedule: Schedule, device: int, action: Action) -> str | None:
+    """What is wrong with where ``action`` runs, or None."""
+    if action.stage >= schedule.stages:
+        return f"has stage {action.stage}, but stages run 0..{schedule.stages - 1}"
+    if action.microbatch >= schedule.microbatches:
+        return (
+            f"has micro-batch {action.microbatch}, but micro-batches run "
+            f"0..{schedule.microbatches - 1}"
+        )
+    if schedule.placement[action.stage] != device:
+        return (
+            f"is on the wrong device: stage {action.stage} lives on device "
+            f"{schedule.placement[action.stage]}"
+        )
+    return None
 
 
 def _check_coverage(schedule: Schedule) -> tuple[Cells, list[str]]:
@@ -102,15 +112,16 @@ def _check_coverage(schedule: Schedule) -> tuple[Cells, list[str]]:
     marks: Cells = []
     problems: list[str] = []
     for device, actions in enumerate(schedule.actions):
-        for position, action in enumerate(actions):
-            if action in first:
+        for position, listed in enumerate(actions):
+            for action in listed.units:
+                if action not in first:
+                    first[action] = position
+                    continue
                 marks.append((device, position))
                 problems.append(
                     f"{action} appears twice on device {device}: positions "
                     f"{first[action]} and {position}"
                 )
-            else:
-                first[action] = position
     for kind in kinds:
         for stage in range(schedule.stages):
             for microbatch in range(schedule.microbatches):
@@ -128,7 +139,12 @@ def _check_deadlock(schedule: Schedule) -> tuple[Cells, list[str]]:
     steps = run_in_steps(schedule)
     if steps.finished(schedule):
         return [], []
-    where = {a: (d, p) for d, actions in enumerate(schedule.actions) for p, a in enumerate(actions)}
+    where = {
+        unit: (d, p)
+        for d, actions in enumerate(schedule.actions)
+        for p, action in enumerate(actions)
+        for unit in action.units
+    }
     stuck = [d for d, p in enumerate(steps.next) if p < len(schedule.actions[d])]
     marks: Cells = [(d, steps.next[d]) for d in stuck]
     problems = [_wait_chain(schedule, steps.next, where, stuck[0])]
@@ -170,45 +186,12 @@ def _wait_chain(
     return "deadlock: " + "; ".join(links)
 
 
-def _check_pair_order(schedule: Schedule) -> tuple[Cells, list[str]]:
-    """Between each ordered pair of devices, messages are received in the order sent."""
-    if keeps_pair_order(schedule):
+def _check_lowered(schedule: Schedule) -> tuple[Cells, list[str]]:
+    """The lowered program replays to its end under NCCL's rules (see :func:`check_lowered`)."""
+    stuck = replay(lower(schedule))
+    if stuck is None:
         return [], []
-    where = {(d, a): p for d, actions in enumerate(schedule.actions) for p, a in enumerate(actions)}
-    channels: dict[tuple[int, int, str], list[tuple[int, Message]]] = {}
-    for device, messages in enumerate(communication(schedule)):
-        for message in messages:
-            src, dst = (
-                (device, message.peer) if message.direction == SEND else (message.peer, device)
-            )
-            channels.setdefault((src, dst, message.direction), []).append((device, message))
-    marks: Cells = []
-    problems: list[str] = []
-    for (src, dst, direction), sent in sorted(channels.items()):
-        if direction != SEND:
-            continue
-        taken = channels.get((src, dst, RECV), [])
-        for (_, out), (_, into) in zip(sent, taken):
-            if out.tag == into.tag:
-                continue
-            # The receiver takes ``into`` first, but the sender sends ``out`` before it.
-            late = next(m for _, m in sent if m.tag == into.tag)
-            early = next(m for _, m in taken if m.tag == out.tag)
-            marks += [
-                (src, where[src, out.action]),
-                (src, where[src, late.action]),
-                (dst, where[dst, into.action]),
-                (dst, where[dst, early.action]),
-            ]
-            problems.append(
-                f"device {src} sends device {dst} the {out} (from {out.action}) before the "
-                f"{into} (from {late.action}), but device {dst} takes them the other way round "
-                f"({into.action} before {early.action}); point-to-point messages between "
-                "two devices are matched in order, so the receiver would get the wrong "
-                "one: reorder either device's actions"
-            )
-            break
-    return marks, problems
+    return [(d, p) for d, p in enumerate(stuck.actions) if p is not None], stuck.problems
 
 
 def check_lowered(lowered: Lowered) -> None:
