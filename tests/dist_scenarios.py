@@ -21,6 +21,7 @@ from torch import nn
 
 import gpipe.distributed as gd
 from gpipe.distributed.failure import PipelineFailure
+from gpipe.planning.candidates import stages_per_device
 
 WIDTH = 6
 
@@ -124,7 +125,7 @@ def parity(schedules: list[str], checkpoints: list[str], chunks: list[int], batc
     loss_fn = nn.functional.mse_loss
     ref = _reference(mlp, x, y, loss_fn)
     for schedule in schedules:
-        v = 2 if schedule in ("interleaved", "zb-v") else 1
+        v = stages_per_device(schedule)
         for checkpoint in checkpoints:
             for m in chunks:
                 model = mlp()
@@ -210,6 +211,37 @@ def dropout_bitwise(balance: list[int]) -> Any:
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.device.type != "meta"}
     pipe.close()
     return {"loss": loss.cpu(), "grads": grads}
+
+
+def dropout_schedules(schedules: list[str], checkpoints: list[str]) -> Any:
+    """Loss and gradients with dropout under each schedule and checkpoint mode, to compare
+    with the local pipe of the same schedule in the test process."""
+    results: dict[str, Any] = {}
+    world = dist.get_world_size()
+    for schedule in schedules:
+        v = stages_per_device(schedule)
+        for checkpoint in checkpoints:
+            model = mlp(2 * world, dropout=0.3)  # 3 modules per block: 6 per rank
+            chunks = 2 * world
+            pipe = gd.DistributedGPipe(
+                model,
+                [6 // v] * (world * v),
+                chunks=chunks,
+                schedule=schedule,
+                checkpoint=checkpoint,
+                virtual_stages=v,
+                timeout=30,
+            )
+            torch.manual_seed(7)
+            x = torch.randn(2 * chunks, WIDTH, dtype=torch.float64)
+            y = torch.randn(2 * chunks, WIDTH, dtype=torch.float64)
+            loss = pipe.train_step(x, y, nn.functional.mse_loss)
+            grads = {
+                n: p.grad.clone() for n, p in model.named_parameters() if p.device.type != "meta"
+            }
+            results[f"{schedule}/{checkpoint}"] = {"loss": loss.cpu(), "grads": grads}
+            pipe.close()
+    return results
 
 
 def meta_init() -> Any:

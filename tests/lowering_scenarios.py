@@ -13,6 +13,7 @@ import gpipe.distributed as gd
 import gpipe.distributed.programs as protocol
 from dist_scenarios import WIDTH, _diff, mlp
 from gpipe.distributed.posting import POSTER
+from gpipe.planning.candidates import stages_per_device
 from gpipe.schedule import Action, Schedule
 from gpipe.schedule.lowering import RECV, SEND, Batch, Lowered, Op, lower
 
@@ -53,11 +54,15 @@ def steps(schedules: list[str], poster: str) -> dict[str, list[float]]:
     os.environ[POSTER] = poster
     results = {}
     for schedule in schedules:
-        v = 2 if schedule in ("interleaved", "zb-v") else 1
+        v = stages_per_device(schedule)
+        # dualpipev needs 2K micro-batches: more ranks take more (and larger batches)
+        chunks = max(4, 2 * dist.get_world_size()) if schedule == "dualpipev" else 4
         model, plain = mlp(), mlp()
-        pipe = gd.DistributedGPipe(model, chunks=4, schedule=schedule, virtual_stages=v, timeout=30)
+        pipe = gd.DistributedGPipe(
+            model, chunks=chunks, schedule=schedule, virtual_stages=v, timeout=30
+        )
         worst = []
-        for step, batch in enumerate([8, 8, 8, 5, 8]):
+        for step, batch in enumerate([2 * chunks, 2 * chunks, 2 * chunks, chunks + 1, 2 * chunks]):
             torch.manual_seed(step)
             x = torch.randn(batch, WIDTH, dtype=torch.float64)
             y = torch.randn(batch, WIDTH, dtype=torch.float64)

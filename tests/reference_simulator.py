@@ -1,8 +1,10 @@
 """Today's simulator and "auto" search, kept as they were, as the reference for the fast ones.
 
 A frozen copy (gpipe 0.1.0, before issue 31): ``simulate`` with its memory walk, and
-``search`` with the greedy builder it runs. tests/test_simulate_reference.py checks that the
-library's give the same events, transfers and choice; benchmarks/simulate.py times both.
+``search`` with the greedy builder it runs (since issue 40 its candidates with two stages
+per device include v-half and v-min, as the library's do). tests/test_simulate_reference.py
+checks that the library's give the same events, transfers and choice; benchmarks/simulate.py
+times both.
 Nothing here is to be edited except to follow a change of meaning on purpose.
 """
 
@@ -28,6 +30,8 @@ from gpipe.schedule import (
     gpipe,
     one_f_one_b,
     round_robin,
+    v_half,
+    v_min,
     v_shape,
     validate,
     zb_h1,
@@ -669,6 +673,8 @@ def _named(stages: int, microbatches: int, virtual_stages: int) -> list[Schedule
         return [
             zb_v(stages, microbatches),
             gpipe(stages, microbatches, virtual_stages=2, placement=v_shape(stages)),
+            v_half(stages, microbatches),
+            v_min(stages, microbatches),
         ]
     return [
         one_f_one_b(stages, microbatches),

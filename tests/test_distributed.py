@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from gpipe import GPipe
+from gpipe.planning.candidates import stages_per_device
 from ranks import check, free_port, launch, run_script
 
 pytestmark = pytest.mark.timeout(240)
@@ -83,7 +84,16 @@ def test_the_newest_schedules_equal_plain_training_across_processes(world: int) 
         launch(
             "dist_scenarios:parity",
             world,
-            schedules=["zb-h2", "zb-v", "auto"],
+            schedules=[
+                "zb-h2",
+                "zb-v",
+                "auto",
+                "interleaved-zb",
+                "looped-bfs",
+                "v-half",
+                "v-min",
+                "dualpipev",
+            ],
             checkpoints=CHECKPOINTS if world == 2 else ["except_last"],
             chunks=[4] if world == 2 else [8],
             batch=10,
@@ -125,6 +135,52 @@ def test_dropout_is_bitwise_the_local_pipes_under_two_balances() -> None:
             assert torch.equal(result["loss"], local_loss)
             for name, grad in result["grads"].items():
                 assert torch.equal(grad, expected[name]), (balance, name)
+
+
+NEW_SCHEDULES = ["interleaved-zb", "looped-bfs", "v-half", "v-min", "dualpipev"]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_the_newest_schedules_draw_dropout_as_the_local_pipe_does(world: int) -> None:
+    # Every new schedule, in every checkpoint mode (4 ranks: one), with dropout: loss and
+    # every gradient equal the local pipe's of the same schedule and layout, which the
+    # local tests hold to plain training.
+    from dist_scenarios import WIDTH, mlp
+
+    checkpoints = CHECKPOINTS if world == 2 else ["always"]
+    results = check(
+        launch(
+            "dist_scenarios:dropout_schedules",
+            world,
+            schedules=NEW_SCHEDULES,
+            checkpoints=checkpoints,
+        )
+    )
+    chunks = 2 * world
+    for schedule in NEW_SCHEDULES:
+        v = stages_per_device(schedule)
+        for checkpoint in checkpoints:
+            model = mlp(2 * world, dropout=0.3)
+            local = GPipe(
+                model,
+                [6 // v] * (world * v),
+                devices=["cpu"] * world,
+                chunks=chunks,
+                schedule=schedule,
+                checkpoint=checkpoint,
+                virtual_stages=v,
+            )
+            torch.manual_seed(7)
+            x = torch.randn(2 * chunks, WIDTH, dtype=torch.float64)
+            y = torch.randn(2 * chunks, WIDTH, dtype=torch.float64)
+            local_loss = local.train_step(x, y, nn.functional.mse_loss)
+            key = f"{schedule}/{checkpoint}"
+            for rank, result in enumerate(results):
+                got = result[key]
+                assert (got["loss"] - local_loss).abs().max() < 1e-12, (key, rank)
+                for name, grad in got["grads"].items():
+                    expected = dict(model.named_parameters())[name].grad
+                    assert (grad - expected).abs().max() < 1e-12, (key, rank, name)
 
 
 def test_a_model_built_on_meta_trains_like_one_built_normally() -> None:

@@ -17,6 +17,7 @@ from ranks import check, launch
 pytestmark = pytest.mark.timeout(240)
 
 SCHEDULES = ["gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zb-v"]
+SCHEDULES += ["interleaved-zb", "looped-bfs", "v-half", "v-min", "dualpipev"]
 
 
 @pytest.mark.parametrize("poster", ["nccl-rules", "gloo"])

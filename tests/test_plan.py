@@ -138,7 +138,7 @@ def test_the_profile_counts_a_tensor_two_neighbours_save_once() -> None:
 def test_predicted_activation_memory_matches_the_runtime() -> None:
     model = make_mlp(layers=6, width=16).float()
     x, y = torch.randn(16, 16), torch.randn(16, 16)
-    report = quiet_plan(model, x, 16, 3, loss_fn=squared_error, target=y, chunks=[2, 4], top=500)
+    report = quiet_plan(model, x, 16, 3, loss_fn=squared_error, target=y, chunks=[2, 8], top=500)
     picked = {(p.schedule, p.checkpoint): p for p in report if p.stages == 3}
     assert len(picked) == 3 * len(DEFAULT_SCHEDULES)
     for p in picked.values():
@@ -427,3 +427,23 @@ def test_allreduce_bandwidth_adds_the_ring_time_to_the_step() -> None:
 def test_a_replica_count_that_does_not_split_the_batch_is_refused(dp: int, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         quiet_plan(make_mlp(), torch.randn(2, 8), 8, 2, dp=dp)
+
+
+def test_the_plan_says_why_its_schedule_won_against_every_other_at_its_k_and_m() -> None:
+    from gpipe.cli.plan_text import why_this_schedule
+    from gpipe.planning.plan_report import PlanReport, Rejection
+
+    model = make_mlp(layers=8, width=16).float()
+    report = quiet_plan(model, torch.randn(16, 16), 16, 2, chunks=[4], checkpoints=("never",))
+    weighed = [p for p in [*report.plans, *(r.plan for r in report.rejected)] if p.stages == 2]
+    # every schedule is weighed by default, the newest too (M = 4 >= 2K for dualpipev)
+    assert {p.schedule for p in weighed} == set(DEFAULT_SCHEDULES)
+    # the report of the plans at K = 2: the fastest, then the others it beat
+    weighed.sort(key=lambda p: p.predicted_step)
+    best, others = weighed[0], weighed[1:]
+    at_two = PlanReport([best], [Rejection(p, "slower") for p in others], None)
+    (line,) = why_this_schedule(at_two)
+    assert line.startswith(f"why {best.schedule}: at K=2 M=4 checkpoint never, predicted step")
+    for name in DEFAULT_SCHEDULES:
+        assert f" {name} " in line, name
+    assert f"{best.schedule} {best.predicted_step * 1e3:.2f} ms" in line

@@ -13,19 +13,25 @@ from gpipe.schedule import (
     Action,
     Schedule,
     dependencies,
+    dualpipev,
     format_grid,
     from_csv,
     gpipe,
     interleaved,
+    interleaved_zb,
+    looped_bfs,
     make_schedule,
     one_f_one_b,
     to_csv,
+    v_half,
+    v_min,
     v_shape,
     validate,
     zb_h1,
     zb_h2,
     zb_v,
 )
+from gpipe.schedule.generate import round_sizes
 
 
 def lists(schedule: Schedule) -> list[str]:
@@ -122,6 +128,24 @@ def test_zb_v_places_stage_d_and_2k_minus_1_minus_d_on_device_d():
     ]
 
 
+def test_dualpipev_pairs_a_forward_with_a_full_backward_of_the_other_stage():
+    assert lists(dualpipev(2, 4)) == [
+        "0F0 0F1 0F2 3F0 3B0 3W0 3F1 0F3+3B1+3W1 3F2+0B0+0W0 3B2 3W2 3F3+0B1+0W1 3B3 3W3 "
+        "0B2 0W2 0B3 0W3",
+        "1F0 2F0 1F1 2F1 1F2 2B0 2W0 2F2+1B0+1W0 1F3+2B1+2W1 2F3+1B1+1W1 2B2 2W2 1B2 1W2 "
+        "2B3 1B3 2W3 1W3",
+    ]
+    assert dualpipev(2, 4).placement == v_shape(2)
+    with pytest.raises(ValueError, match=r"at least 2K = 4 micro-batches on 2 devices"):
+        dualpipev(2, 3)
+
+
+def test_dualpipev_docstring_picture_is_its_step_grid():
+    # A fused action takes three units, too wide for a unit-time picture.
+    docstring = textwrap.dedent(inspect.getdoc(dualpipev) or "")
+    assert textwrap.indent(format_grid(dualpipev(2, 4)), "    ") in docstring
+
+
 def test_gpipe_fill_drain_follows_any_placement():
     # What pipe(x) runs on a zb-v pipe: each device's stages in order, forwards then back.
     assert lists(gpipe(2, 2, virtual_stages=2, placement=v_shape(2))) == [
@@ -132,17 +156,19 @@ def test_gpipe_fill_drain_follows_any_placement():
         gpipe(2, 2, virtual_stages=2, placement=(0, 0, 0, 1))
 
 
-def test_interleaved_on_two_devices_takes_messages_in_the_order_they_were_sent():
-    # M = 5 on 2 devices: the uneven first group would have device 1 take 1F3's input
-    # before 1B0's gradient, which device 0 sends first. Device 1 takes 1B0 first instead;
-    # it then sends 1B0's gradient before 1F3's output, and device 0 takes those in that
-    # order too (0B0 before 2F3).
+def test_interleaved_cuts_uneven_micro_batches_into_even_rounds_the_larger_first():
+    # As torch's ScheduleInterleaved1F1B: M // K rounds of sizes differing by at most one.
+    assert round_sizes(4, 10) == [5, 5]
+    assert round_sizes(4, 11) == [6, 5]
+    assert round_sizes(2, 5) == [3, 2]
+    assert round_sizes(4, 3) == [3]
     schedule = interleaved(2, 5, virtual_stages=2)
-    assert lists(schedule) == [
-        "0F0 0F1 0F2 2F0 2F1 2F2 2B0 0F3 2B1 0F4 2B2 0B0 2F3 0B1 2F4 0B2 2B3 2B4 0B3 0B4",
-        "1F0 1F1 1F2 3F0 3B0 3F1 3B1 3F2 3B2 1B0 1F3 1B1 1F4 1B2 3F3 3F4 3B3 3B4 1B3 1B4",
-    ]
+    assert lists(schedule)[0].split()[:6] == ["0F0", "0F1", "0F2", "2F0", "2F1", "2F2"]
     validate(schedule)
+    # even rounds hold least: 12 on 4
+    # devices for M = 10 (a first group of 6 held 13), 25 on 8 for M = 20 (27)
+    assert max(simulate(interleaved(4, 10, virtual_stages=2)).peak_memory) == 12
+    assert max(simulate(interleaved(8, 20, virtual_stages=2)).peak_memory) == 25
 
 
 @pytest.mark.parametrize(
@@ -154,8 +180,15 @@ def test_interleaved_on_two_devices_takes_messages_in_the_order_they_were_sent()
         (zb_h1, zb_h1(3, 4)),
         (zb_h2, zb_h2(3, 5)),
         (zb_v, zb_v(3, 3)),
+        (interleaved_zb, interleaved_zb(3, 3, virtual_stages=2)),
+        (looped_bfs, looped_bfs(2, 4, virtual_stages=2)),
+        (v_half, v_half(2, 3)),
+        (v_min, v_min(2, 3)),
     ],
-    ids=["gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zb-v"],
+    ids=[
+        *("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zb-v"),
+        *("interleaved-zb", "looped-bfs", "v-half", "v-min"),
+    ],
 )
 def test_docstring_picture_is_the_unit_time_simulation(generator, schedule):
     docstring = textwrap.dedent(inspect.getdoc(generator) or "")
@@ -164,10 +197,24 @@ def test_docstring_picture_is_the_unit_time_simulation(generator, schedule):
 
 
 def test_make_schedule_knows_every_generator_by_name():
-    assert sorted(SCHEDULES) == ["1f1b", "auto", "gpipe", "interleaved", "zb-h1", "zb-h2", "zb-v"]
+    assert sorted(SCHEDULES) == [
+        "1f1b",
+        "auto",
+        "dualpipev",
+        "gpipe",
+        "interleaved",
+        "interleaved-zb",
+        "looped-bfs",
+        "v-half",
+        "v-min",
+        "zb-h1",
+        "zb-h2",
+        "zb-v",
+    ]
     for name in SCHEDULES:
-        v = 2 if name == "zb-v" else 1
-        assert make_schedule(name, 2, 3, virtual_stages=v).name == name
+        v = 2 if name in ("zb-v", "interleaved-zb", "v-half", "v-min", "dualpipev") else 1
+        m = 4 if name == "dualpipev" else 3  # dualpipev needs M >= 2K
+        assert make_schedule(name, 2, m, virtual_stages=v).name == name
     assert make_schedule("interleaved", 2, 4, virtual_stages=3).stages == 6
 
 
@@ -242,6 +289,7 @@ def test_csv_round_trip_is_exact_for_every_schedule():
         interleaved(3, 7, virtual_stages=3),
         zb_h1(4, 5),
         zb_v(3, 4),
+        dualpipev(3, 7),
     ]:
         text = to_csv(schedule)
         assert from_csv(text) == schedule

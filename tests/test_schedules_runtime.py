@@ -24,7 +24,8 @@ from gpipe.schedule import v_shape
 LAYERS = 8  # make_mlp blocks; without dropout the model has 2 * LAYERS modules
 
 # (schedule, virtual stages): interleaved at v = 2 and v = 3 (K·v <= 12 model stages here);
-# zb-v and auto with two stages per device lay them out in a V.
+# zb-v, v-half, v-min and auto with two stages per device lay them out in a V,
+# interleaved-zb and looped-bfs round-robin.
 SCHEDULES = [
     ("gpipe", 1),
     ("1f1b", 1),
@@ -35,15 +36,29 @@ SCHEDULES = [
     ("zb-v", 2),
     ("auto", 1),
     ("auto", 2),
+    ("interleaved-zb", 2),
+    ("looped-bfs", 2),
+    ("v-half", 2),
+    ("v-min", 2),
+    ("dualpipev", 2),
 ]
 SCHEDULE_IDS = [name if v == 1 else f"{name}-v{v}" for name, v in SCHEDULES]
-SPLIT = ("zb-h1", "zb-h2", "zb-v", "auto")  # schedules with separate W actions
+# schedules with separate W actions
+SPLIT = ("zb-h1", "zb-h2", "zb-v", "auto", "interleaved-zb", "v-half", "v-min", "dualpipev")
 CHECKPOINTS = ["always", "except_last", "never"]
 
 # (K devices, M micro-batches, batch size): one micro-batch; M < K; M not a multiple of K with
 # an uneven split (11 = 3+2+2+2+2); M = 2K with an uneven split (10 = 2+2+1+1+...).
 CASES = [(2, 1, 3), (4, 2, 6), (3, 5, 11), (4, 8, 10)]
 CASE_IDS = [f"K{k}-M{m}-N{n}" for k, m, n in CASES]
+
+
+def fitted(schedule: str, k: int, m: int, n: int) -> tuple[int, int]:
+    """(micro-batches, batch) of a case for ``schedule``: dualpipev needs M >= 2K, so its
+    cases run 2K micro-batches (and a batch at least as large) where they have fewer."""
+    if schedule == "dualpipev" and m < 2 * k:
+        m = 2 * k
+    return m, max(n, m)
 
 
 def uneven_balance(modules: int, stages: int) -> list[int]:
@@ -91,6 +106,7 @@ def test_every_schedule_equals_plain_training(
     schedule: str, v: int, checkpoint: str, case: tuple[int, int, int]
 ) -> None:
     k, m, n = case
+    m, n = fitted(schedule, k, m, n)
     x, target = batch(n)
     _, expected_loss, expected_grads, _ = reference_step(make_mlp(LAYERS), x, target, F.mse_loss)
 
@@ -104,9 +120,10 @@ def test_every_schedule_equals_plain_training(
     # the step ran the schedule it was asked for: every F (and B, W) of every micro-batch once
     kinds = "BFW" if schedule in SPLIT else "BF"
     for device in pipe.timeline.events:
-        stages = {e.action.stage for e in device}
+        ran = [unit for e in device for unit in e.action.units]  # a fused action's parts
+        stages = {unit.stage for unit in ran}
         assert len(stages) == v
-        assert sorted((e.action.stage, e.action.kind, e.action.microbatch) for e in device) == [
+        assert sorted((unit.stage, unit.kind, unit.microbatch) for unit in ran) == [
             (s, kind, i) for s in sorted(stages) for kind in kinds for i in range(m)
         ]
 
@@ -178,7 +195,7 @@ def test_sgd_steps_follow_plain_training_under_every_schedule() -> None:
         expected.append(loss.detach())
     for schedule, v in SCHEDULES:
         model = make_mlp(LAYERS)
-        pipe = make_pipe(model, schedule, v, 2, 3, "except_last")
+        pipe = make_pipe(model, schedule, v, 2, fitted(schedule, 2, 3, 7)[0], "except_last")
         opt = torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9)
         losses = []
         for x, target in data:
@@ -212,6 +229,7 @@ def test_dropout_gradients_equal_gpipe_with_the_same_seed(
 ) -> None:
     # GPipe over the same layers, one stage per device: masks follow (layer, micro-batch), so
     # only the order in which gradients accumulate may differ.
+    m, n = fitted(schedule, k, m, n)
     expected_loss, expected = dropout_step("gpipe", 1, k * v, m, "never", n, seed=7)
     loss, got = dropout_step(schedule, v, k, m, checkpoint, n, seed=7)
     assert_close(loss, expected_loss)

@@ -77,12 +77,15 @@ class GPipe(PipeCore):
         checkpoint: "always", "except_last" or "never": which micro-batches keep only their
             stage input and recompute the stage forward in the backward.
         schedule: the schedule ``train_step`` runs: a name in ``gpipe.schedule.SCHEDULES``
-            ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zb-v", "auto": searched
-            with unit costs under 1F1B's memory), or a :class:`~gpipe.schedule.Schedule`
-            built for ``chunks`` micro-batches (e.g. by :func:`gpipe.analysis.search` with
-            your costs). The schedule also says which device holds each stage (zb-v: a V).
+            ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zb-v", "interleaved-zb",
+            "looped-bfs", "v-half", "v-min", "dualpipev", "auto": searched with unit costs
+            under 1F1B's memory), or a :class:`~gpipe.schedule.Schedule` built for ``chunks``
+            micro-batches (e.g. by :func:`gpipe.analysis.search` with your costs). The
+            schedule also says which device holds each stage (zb-v, v-half, v-min,
+            dualpipev: a V).
             ``pipe(x)`` followed by ``loss.backward()`` always runs GPipe's fill-drain.
-        virtual_stages: model stages per device (interleaved schedules, 2 for zb-v);
+        virtual_stages: model stages per device (the looped schedules: interleaved,
+            interleaved-zb from 2, looped-bfs; 2 for zb-v, v-half, v-min and dualpipev);
             ``balance`` then lists ``len(devices) * virtual_stages`` entries.
         sample: a mini-batch like the ones to train on, for ``balance="time"|"memory"``.
         optimizer: the optimizer whose state ``balance="memory"`` counts ("adam", ...).

@@ -32,6 +32,8 @@ from gpipe.schedule import (
     greedy,
     one_f_one_b,
     round_robin,
+    v_half,
+    v_min,
     v_shape,
     zb_h1,
     zb_h2,
@@ -64,7 +66,10 @@ def search(
 
     With one stage per device the candidates are gpipe, 1f1b, zb-h1, zb-h2 and the greedy
     builder's schedules; with two, the stages are laid out in a V (as zb-v) and the
-    candidates are zb-v, GPipe's fill-drain and the greedy builder's V schedules.
+    candidates are zb-v, GPipe's fill-drain, v-half, v-min (half and a third of 1F1B's
+    memory) and the greedy builder's V schedules. The looped schedules (interleaved,
+    interleaved-zb, looped-bfs) place stages round-robin, not in the V, so they are not
+    candidates: a pipe keeps one placement for every batch size.
 
     Memory is counted as the simulator does: a micro-batch's forward on a stage holds the
     stage's ``costs.activation_bytes`` (1 by default: one unit per micro-batch per stage)
@@ -171,6 +176,8 @@ def _named(stages: int, microbatches: int, virtual_stages: int) -> list[Schedule
         return [
             zb_v(stages, microbatches),
             gpipe(stages, microbatches, virtual_stages=2, placement=v_shape(stages)),
+            v_half(stages, microbatches),
+            v_min(stages, microbatches),
         ]
     return [
         one_f_one_b(stages, microbatches),

@@ -29,6 +29,7 @@ from gpipe.cli.plan_text import (
     cut_fields,
     measured_fields,
     why_this_plan,
+    why_this_schedule,
 )
 from gpipe.recompute import CHECKPOINT_MODES
 from gpipe.units import parse_bytes
@@ -101,8 +102,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--schedules",
         type=choices_list(schedule_names()),
         default=None,
-        help="comma-separated schedules to consider (default: gpipe,1f1b,interleaved,zb-h1,"
-        "zb-h2,zb-v,auto)",
+        help="comma-separated schedules to consider (default: every schedule)",
     )
     parser.add_argument(
         "--checkpoints",
@@ -198,7 +198,7 @@ def run(args: argparse.Namespace) -> int:
         raise CommandError(str(error)) from None
     best = report.best
     print(report)
-    for line in why_this_plan(report):
+    for line in [*why_this_schedule(report), *why_this_plan(report)]:
         print(line)
     if report.calibration is not None:
         print(

@@ -8,7 +8,13 @@ if TYPE_CHECKING:
     from gpipe.planning.plan_report import Plan, PlanReport
     from gpipe.planning.verify import Calibration
 
-__all__ = ["calibration_argument", "cut_fields", "measured_fields", "why_this_plan"]
+__all__ = [
+    "calibration_argument",
+    "cut_fields",
+    "measured_fields",
+    "why_this_plan",
+    "why_this_schedule",
+]
 
 
 def measured_fields(report: PlanReport) -> str:
@@ -105,6 +111,41 @@ def why_this_plan(report: PlanReport) -> list[str]:
     elif best.chunks == 1:
         lines.append("  M=1: no larger micro-batch count fits the memory budget")
     return lines
+
+
+def why_this_schedule(report: PlanReport) -> list[str]:
+    """A line that says why the best plan's schedule won: every schedule weighed at the
+    same stages, micro-batches, checkpoint mode and replicas, with its predicted step and
+    the most memory a device holds, or that it went over the budget."""
+    best = report.best
+    same = (best.stages, best.chunks, best.checkpoint, best.dp, best.zero)
+    over = {id(r.plan) for r in report.rejected if r.reason.startswith("over")}
+    by_schedule: dict[str, tuple[Plan, bool]] = {}
+    for candidate in [*report.plans, *(r.plan for r in report.rejected)]:
+        key = (candidate.stages, candidate.chunks, candidate.checkpoint, candidate.dp)
+        if (*key, candidate.zero) != same or candidate is best:
+            continue
+        fits = id(candidate) not in over
+        known = by_schedule.get(candidate.schedule)
+        better = known is None or (fits, -candidate.predicted_step) > (
+            known[1],
+            -known[0].predicted_step,
+        )
+        if better:
+            by_schedule[candidate.schedule] = (candidate, fits)
+    if not by_schedule:
+        return []
+    said = [f"{best.schedule} {_step_and_memory(best)}"]
+    for name, (plan, fits) in sorted(by_schedule.items(), key=lambda kv: kv[1][0].predicted_step):
+        said.append(f"{name} " + (_step_and_memory(plan) if fits else "over the budget"))
+    return [
+        f"why {best.schedule}: at K={best.stages} M={best.chunks} checkpoint {best.checkpoint}, "
+        "predicted step and most memory a device holds: " + ", ".join(said)
+    ]
+
+
+def _step_and_memory(plan: Plan) -> str:
+    return f"{plan.predicted_step * 1e3:.2f} ms {max(plan.peak_memory) / 2**20:.1f} MiB"
 
 
 def _said(plan: Plan | None) -> str:

@@ -92,14 +92,14 @@ def check(settings: DemoSettings, layers: int) -> None:
         ValueError: a pipeline the model cannot be cut into, fewer samples than
             micro-batches, a schedule that cannot run it, or an output path that is a file.
     """
-    from gpipe.schedule import SCHEDULES
+    from gpipe.schedule import SCHEDULES, default_virtual_stages
 
     if settings.schedule not in SCHEDULES:
         raise ValueError(
             f"--schedule {settings.schedule!r} is not a schedule: choose from "
             f"{', '.join(sorted(SCHEDULES))}"
         )
-    v = 2 if settings.schedule in ("interleaved", "zb-v") else 1
+    v = default_virtual_stages(settings.schedule)
     if settings.stages * v > layers:
         most = layers // v
         per = f" (x {v} stages per device for {settings.schedule})" if v > 1 else ""

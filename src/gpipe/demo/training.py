@@ -14,6 +14,7 @@ from torch import nn
 from gpipe.analysis import Timeline
 from gpipe.demo.recipe import Corpus, DemoSettings, learning_rate
 from gpipe.models import gpt, gpt_loss
+from gpipe.schedule import default_virtual_stages
 
 __all__ = ["Run", "build_model", "train_distributed", "train_local", "validation_loss"]
 
@@ -51,7 +52,7 @@ def validation_loss(model: nn.Module, corpus: Corpus) -> float:
 
 def virtual_stages(schedule: str) -> int:
     """Model stages per device: two for the schedules that interleave or fold a V."""
-    return 2 if schedule in ("interleaved", "zb-v") else 1
+    return default_virtual_stages(schedule)
 
 
 def train_local(settings: DemoSettings, corpus: Corpus, balance: list[int]) -> Run:

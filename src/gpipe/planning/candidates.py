@@ -9,6 +9,7 @@ each device's actions.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 from collections.abc import Sequence
@@ -19,14 +20,37 @@ from gpipe.balance import Profile
 from gpipe.planning.host_model import host_share
 from gpipe.planning.measurements import Measurements
 from gpipe.planning.plan_report import Plan
-from gpipe.schedule import Schedule, make_schedule
+from gpipe.schedule import Schedule, default_virtual_stages, make_schedule
 
-__all__ = ["SPLIT_SCHEDULES", "TWO_PER_DEVICE", "Replicas", "candidates", "evaluate"]
+__all__ = ["Replicas", "candidates", "evaluate", "splits", "stages_per_device"]
 
-# Schedules with separate weight-gradient (W) actions, whose W time the profile must measure.
-SPLIT_SCHEDULES = ("zb-h1", "zb-h2", "zb-v", "auto")
-# Schedules with two stages per device.
-TWO_PER_DEVICE = ("interleaved", "zb-v")
+
+def stages_per_device(name: str) -> int:
+    """The model stages per device a plan gives schedule ``name`` (see
+    :func:`gpipe.schedule.default_virtual_stages`; "auto" searches one per device)."""
+    return default_virtual_stages(name)
+
+
+@functools.cache
+def splits(name: str) -> bool:
+    """Whether schedule ``name`` runs weight gradients as W actions, whose time the profile
+    must then measure ("auto" may)."""
+    if name == "auto":
+        return True
+    return make_schedule(name, 2, 8, virtual_stages=stages_per_device(name)).split_backward
+
+
+@functools.cache
+def _fits(name: str, stages: int, chunks: int) -> bool:
+    """Whether schedule ``name`` runs ``chunks`` micro-batches on ``stages`` devices
+    (dualpipev needs at least 2K)."""
+    if name == "auto":
+        return True
+    try:
+        make_schedule(name, stages, chunks, virtual_stages=stages_per_device(name))
+    except ValueError:
+        return False
+    return True
 
 
 def candidates(
@@ -49,14 +73,17 @@ def candidates(
         for m in layout.chunk_counts
         for k in layout.stage_counts(min(devices, layers))
         for name in schedules
-        if not (name in TWO_PER_DEVICE and (k < 2 or 2 * k > layers))
+        if stages_per_device(name) == 1 or 2 <= k <= layers // stages_per_device(name)
+        if _fits(name, k, m)
         for mode in modes
     ]
     if not found:
         raise ValueError(
             f"nothing to plan: {', '.join(schedules)} on {devices} device(s) and "
-            f"{layers} layer(s) gives no candidate ('interleaved' and 'zb-v' need at least 2 "
-            "devices and 2 layers per device); add devices or other schedules"
+            f"{layers} layer(s) gives no candidate (schedules with 2 stages per device, such "
+            "as 'interleaved' and 'zb-v', need at least 2 devices and 2 layers per device; "
+            "'dualpipev' needs at least 2 micro-batches per device); add devices, chunks "
+            "or other schedules"
         )
     return found
 
@@ -79,7 +106,7 @@ def evaluate(
     ``overhead`` is added to every action, ``time_scale`` multiplies the profiled compute
     (both 0 and 1 unless calibrated by a verified run, see :mod:`gpipe.planning.verify`).
     """
-    v = 2 if name in TWO_PER_DEVICE else 1
+    v = stages_per_device(name)
     size = math.ceil(replica.batch / chunks)
     measured = measure.at(size)
     balance = measure.balance(size, stages * v)
@@ -100,7 +127,7 @@ def evaluate(
         else tuple(range(stages))
     )
     share = host_share(measured, spans, devices, placement) * time_scale
-    split = name in SPLIT_SCHEDULES
+    split = splits(name)
     costs = _stage_costs(measured, spans, split, mode, chunks, share, overhead, noisy=False)
     # NOTE: the same stages at the first quartile of their repeats: how far this host's noise could
     # move the prediction, so two plans within it are not told apart

@@ -24,7 +24,7 @@ from torch import nn
 
 from gpipe.balance.optimizer_state import OptimizerSpec
 from gpipe.planning import host_model
-from gpipe.planning.candidates import SPLIT_SCHEDULES, candidates, evaluate
+from gpipe.planning.candidates import candidates, evaluate, splits
 from gpipe.planning.layouts import layouts
 from gpipe.planning.measurements import Measurements
 from gpipe.planning.model_units import model_units
@@ -43,7 +43,20 @@ from gpipe.runtime.devices import as_devices
 
 __all__ = ["DEFAULT_CHECKPOINTS", "DEFAULT_SCHEDULES", "plan"]
 
-DEFAULT_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zb-v", "auto")
+DEFAULT_SCHEDULES = (
+    "gpipe",
+    "1f1b",
+    "interleaved",
+    "looped-bfs",
+    "zb-h1",
+    "zb-h2",
+    "zb-v",
+    "interleaved-zb",
+    "v-half",
+    "v-min",
+    "dualpipev",
+    "auto",
+)
 DEFAULT_CHECKPOINTS = ("never", "except_last", "always")
 
 
@@ -198,7 +211,7 @@ def plan(
         optimizer,
         loss_fn,
         target,
-        split=any(name in SPLIT_SCHEDULES for name in schedules),
+        split=any(splits(name) for name in schedules),
         repeats=repeats,
         sizes=[math.ceil(r.batch / m) for r in laid_out for m in r.chunk_counts],
     )

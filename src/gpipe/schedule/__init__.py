@@ -1,15 +1,28 @@
 """Schedules as data: actions, generators, and the checks and text forms built on them."""
 
-from gpipe.schedule.action import BACKWARD, FORWARD, KINDS, WEIGHT, Action, dependencies
+from gpipe.schedule.action import (
+    BACKWARD,
+    FORWARD,
+    FUSED,
+    KINDS,
+    WEIGHT,
+    Action,
+    dependencies,
+    units,
+)
 from gpipe.schedule.communication import Message, communication
+from gpipe.schedule.controllable import v_half, v_min
+from gpipe.schedule.dualpipe import dualpipev
 from gpipe.schedule.generate import gpipe, interleaved, one_f_one_b
 from gpipe.schedule.greedy import greedy
 from gpipe.schedule.grid import format_grid
+from gpipe.schedule.looped import interleaved_zb, looped_bfs
 from gpipe.schedule.placement import round_robin, v_shape
 from gpipe.schedule.registry import (
     SCHEDULES,
     check_schedule_type,
     check_virtual_stages,
+    default_virtual_stages,
     make_schedule,
     schedule_for,
 )
@@ -22,6 +35,7 @@ from gpipe.schedule.zero_bubble import zb_h1, zb_h2, zb_v
 __all__ = [
     "BACKWARD",
     "FORWARD",
+    "FUSED",
     "KINDS",
     "SCHEDULES",
     "WEIGHT",
@@ -33,19 +47,26 @@ __all__ = [
     "check_schedule_type",
     "check_virtual_stages",
     "communication",
+    "default_virtual_stages",
     "dependencies",
+    "dualpipev",
     "format_grid",
     "from_csv",
     "gpipe",
     "greedy",
     "in_one_order",
     "interleaved",
+    "interleaved_zb",
+    "looped_bfs",
     "make_schedule",
     "one_f_one_b",
     "round_robin",
     "run_in_steps",
     "schedule_for",
     "to_csv",
+    "units",
+    "v_half",
+    "v_min",
     "v_shape",
     "validate",
     "zb_h1",

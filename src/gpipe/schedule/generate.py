@@ -11,11 +11,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from gpipe.schedule.action import BACKWARD, FORWARD, Action
-from gpipe.schedule.communication import in_pair_order
 from gpipe.schedule.placement import round_robin
 from gpipe.schedule.schedule import Schedule
 
-__all__ = ["gpipe", "interleaved", "one_f_one_b"]
+__all__ = ["gpipe", "interleaved", "one_f_one_b", "round_sizes"]
 
 
 def _check(stages: int, microbatches: int) -> None:
@@ -79,6 +78,15 @@ def gpipe(
 gpipe.virtual = True  # type: ignore[attr-defined]
 
 
+def round_sizes(devices: int, microbatches: int) -> list[int]:
+    """Micro-batches per round of the looped schedules: ``M // K`` rounds (at least one),
+    as even as can be, the larger first (a smaller round first would leave a device
+    waiting on a chunk not yet computed)."""
+    rounds = max(1, microbatches // devices)
+    size, extra = divmod(microbatches, rounds)
+    return [size + 1] * extra + [size] * (rounds - extra)
+
+
 def _one_f_one_b_order(
     forwards: list[Action], backwards: list[Action], warmup: int
 ) -> list[Action]:
@@ -126,21 +134,19 @@ def interleaved(stages: int, microbatches: int, *, virtual_stages: int = 2) -> S
     """Interleaved 1F1B (Megatron-LM): v model stages per device make the bubble v× smaller.
 
     The model is cut into K·v stages; device ``d`` holds stages ``d, d+K, d+2K, ...``. Work
-    goes in groups of K micro-batches: a device runs the forwards of a group on its first
-    stage, then on its second, and so on, and the backwards of each group in the opposite
+    goes in rounds of K micro-batches: a device runs the forwards of a round on its first
+    stage, then on its second, and so on, and the backwards of each round in the opposite
     stage order. Device ``d`` warms up with ``2(K-d-1) + (v-1)·G`` forwards (``G`` = the
-    first group's size; all forwards if there are fewer), then alternates one forward and one
+    first round's size; all forwards if there are fewer), then alternates one forward and one
     backward, then runs the backwards left. With ``v = 1`` the warm-up is ``K-d-1``: 1F1B.
 
-    Any M works. When K does not divide M, the first group takes the ``M mod K`` extra
-    micro-batches (a smaller group, last, would leave devices waiting on a chunk that is
-    not yet computed, and deadlock); the price is ``(v-1)·(M mod K)`` more warm-up forwards,
-    so more memory. On 2 devices the uneven group would also make one device send its
-    neighbour an activation and a gradient in the opposite order from the one the neighbour
-    takes them in, so there a device takes a message the other already sent first (see
-    :func:`~gpipe.schedule.communication.in_pair_order`); the step takes as long. With equal
-    stage costs the bubble is ``(K-1) / (v·M + K-1)`` for every M >= K. For 2 devices,
-    4 micro-batches and v = 2, laid out in time::
+    Any M works. When K does not divide M, the micro-batches go in ``M // K`` rounds (one
+    if M < K) of sizes that differ by at most one, the larger first (a smaller round first
+    would leave devices waiting on a chunk that is not yet computed, and deadlock), as
+    torch's ``ScheduleInterleaved1F1B`` does: the first round's extra micro-batches cost
+    ``(v-1)`` more warm-up forwards each, so more memory, and rounds of even size keep
+    that least. With equal stage costs the bubble is ``(K-1) / (v·M + K-1)`` for every
+    M >= K. For 2 devices, 4 micro-batches and v = 2, laid out in time::
 
         0: 0F0 0F1 2F0 2F1 0F2 2B0 0F3 2B1 2F2 0B0 2F3 0B1     2B2     2B3 0B2 0B3
         1:     1F0 1F1 3F0 3B0 3F1 3B1 1F2 1B0 1F3 1B1 3F2 3B2 3F3 3B3 1B2 1B3
@@ -160,8 +166,7 @@ def interleaved(stages: int, microbatches: int, *, virtual_stages: int = 2) -> S
     if virtual_stages < 1:
         raise ValueError(f"virtual_stages must be >= 1, got {virtual_stages}")
     devices, v = stages, virtual_stages
-    groups, extra = divmod(microbatches, devices)
-    sizes = [devices + extra] + [devices] * (groups - 1) if groups else [extra]
+    sizes = round_sizes(devices, microbatches)
     # One device's forward order as (chunk, micro-batch): group by group, chunk by chunk.
     order: list[tuple[int, int]] = []
     first = 0
@@ -173,11 +178,11 @@ def interleaved(stages: int, microbatches: int, *, virtual_stages: int = 2) -> S
         forwards = [Action(FORWARD, chunk * devices + d, i) for chunk, i in order]
         backwards = [Action(BACKWARD, (v - 1 - chunk) * devices + d, i) for chunk, i in order]
         # NOTE: with v > 1, twice K-d-1 because the first backward has to come back from
-        # the last device, plus (v-1)·G so the first group is in flight on every chunk but
+        # the last device, plus (v-1)·G so the first round is in flight on every chunk but
         # the last; fewer and a device waits on a forward while holding a needed backward.
         warmup = devices - d - 1 if v == 1 else 2 * (devices - d - 1) + (v - 1) * sizes[0]
         actions.append(_one_f_one_b_order(forwards, backwards, min(warmup, len(order))))
-    return in_pair_order(Schedule("interleaved", actions, microbatches, devices * v))
+    return Schedule("interleaved", actions, microbatches, devices * v)
 
 
 interleaved.virtual = True  # type: ignore[attr-defined]

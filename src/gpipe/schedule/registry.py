@@ -6,12 +6,21 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
+from gpipe.schedule.controllable import v_half, v_min
+from gpipe.schedule.dualpipe import dualpipev
 from gpipe.schedule.generate import gpipe, interleaved, one_f_one_b
+from gpipe.schedule.looped import interleaved_zb, looped_bfs
 from gpipe.schedule.schedule import Schedule
 from gpipe.schedule.validate import validate
 from gpipe.schedule.zero_bubble import zb_h1, zb_h2, zb_v
 
-__all__ = ["SCHEDULES", "check_virtual_stages", "make_schedule", "schedule_for"]
+__all__ = [
+    "SCHEDULES",
+    "check_virtual_stages",
+    "default_virtual_stages",
+    "make_schedule",
+    "schedule_for",
+]
 
 Generator = Callable[..., Schedule]
 
@@ -25,6 +34,11 @@ SCHEDULES: dict[str, Generator] = {
     "zb-h1": zb_h1,
     "zb-h2": zb_h2,
     "zb-v": zb_v,
+    "interleaved-zb": interleaved_zb,
+    "looped-bfs": looped_bfs,
+    "v-half": v_half,
+    "v-min": v_min,
+    "dualpipev": dualpipev,
 }
 
 
@@ -35,11 +49,13 @@ def make_schedule(
 
     Args:
         name: one of :data:`SCHEDULES` ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2",
-            "zb-v", "auto").
+            "zb-v", "interleaved-zb", "looped-bfs", "v-half", "v-min", "dualpipev",
+            "auto").
         stages: K, the number of devices.
         microbatches: M.
-        virtual_stages: model stages per device: any for "interleaved" and "gpipe", 2 for
-            "zb-v", 1 or 2 for "auto", else 1.
+        virtual_stages: model stages per device: any for "interleaved", "looped-bfs" and
+            "gpipe", 2 or more for "interleaved-zb", 2 for "zb-v", "v-half", "v-min" and
+            "dualpipev", 1 or 2 for "auto", else 1.
         options: what the generator takes beyond these, e.g. "auto"'s ``costs`` and
             ``memory_limit`` (see :func:`gpipe.analysis.search`).
 
@@ -75,6 +91,23 @@ def make_schedule(
     return generator(stages, microbatches, **options)
 
 
+def default_virtual_stages(name: str) -> int:
+    """The model stages per device schedule ``name`` runs unless told otherwise: its fixed
+    count (zb-v, dualpipev, v-half, v-min: 2), 2 for the looped ones (interleaved,
+    interleaved-zb, looped-bfs), else 1 ("gpipe" and "auto" take any, one by default).
+
+    Raises:
+        ValueError: an unknown name.
+    """
+    if name not in SCHEDULES:
+        raise ValueError(f"unknown schedule {name!r}; choose one of {sorted(SCHEDULES)}")
+    generator = SCHEDULES[name]
+    fixed = getattr(generator, "virtual_stages", None)
+    if fixed is not None:
+        return int(fixed)
+    return 2 if getattr(generator, "virtual", False) and name not in ("gpipe", "auto") else 1
+
+
 def check_schedule_type(schedule: Any) -> None:
     """Refuse a ``schedule`` that is neither a name nor a :class:`Schedule`.
 
@@ -89,7 +122,8 @@ def check_schedule_type(schedule: Any) -> None:
 
 
 def check_virtual_stages(schedule: str | Schedule, virtual_stages: int) -> None:
-    """Refuse ``virtual_stages`` other than the named schedule's own (zb-v: 2).
+    """Refuse ``virtual_stages`` other than the named schedule's own (zb-v: 2), or fewer
+    than it needs (interleaved-zb: 2).
 
     NOTE: a pipe calls it before checking balance against devices, whose message would
     otherwise ask for more devices when the fix is ``virtual_stages=2``.
@@ -97,15 +131,18 @@ def check_virtual_stages(schedule: str | Schedule, virtual_stages: int) -> None:
     Raises:
         ValueError: the schedule holds a fixed number of stages per device, and not this.
     """
-    fixed = (
-        getattr(SCHEDULES.get(schedule), "virtual_stages", None)
-        if isinstance(schedule, str)
-        else None
-    )
+    generator = SCHEDULES.get(schedule) if isinstance(schedule, str) else None
+    fixed = getattr(generator, "virtual_stages", None)
     if fixed is not None and virtual_stages != fixed:
         raise ValueError(
             f"schedule {schedule!r} holds {fixed} stages per device: pass "
             f"virtual_stages={fixed} (and {fixed} balance entries per device)"
+        )
+    least = getattr(generator, "least_virtual_stages", 1)
+    if virtual_stages < least:
+        raise ValueError(
+            f"schedule {schedule!r} holds at least {least} stages per device: pass "
+            f"virtual_stages={least} (and {least} balance entries per device)"
         )
 
 

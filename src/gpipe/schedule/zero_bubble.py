@@ -115,13 +115,13 @@ def zb_v(stages: int, microbatches: int) -> Schedule:
 
     Device ``d`` holds stages ``d`` and ``2K-1-d`` (:func:`~gpipe.schedule.v_shape`), so a
     micro-batch goes down the devices and back up, and its loss and first backward are on
-    device 0, where its forward began. Every device, whenever it is free, starts a B if
-    one is ready, else an F while it holds fewer than 2K stage-micro-batches, else a W.
-    One more rule keeps the messages between each pair of devices in order: a device runs
-    the F's of one stage at most K micro-batches ahead of the B's of its other stage
-    (device ``d`` sends device ``d+1`` both its stage-``d`` outputs and its stage
-    ``2K-1-d`` gradients, and the neighbour takes them in that one pattern too). For 3
-    devices and 3 micro-batches (6 stages), laid out in time::
+    device 0, where its forward began. With at least 2K-1 micro-batches it runs the
+    paper's ZB-V order (:func:`_zb_v_order`, the one torch's ``ScheduleZBVZeroBubble``
+    runs). With fewer, that order leaves gaps (K = 4, M = 5: 34 units against 33), and a
+    greedy order is shorter: every device, whenever it is free,
+    starts a B if one is ready, else an F while it holds fewer than 2K stage-micro-batches,
+    else a W, with the F's of one stage at most K micro-batches ahead of the B's of its
+    other stage. For 3 devices and 3 micro-batches (6 stages), laid out in time::
 
         0: 0F0 0F1 0F2         5F0 5B0 5F1 5B1 5F2 5B2 0B0 5W0 0B1 5W1 0B2 5W2 0W0 0W1 0W2
         1:     1F0 1F1 1F2 4F0     4F1 4B0 4F2 4B1 1B0 4B2 1B1 4W0 1B2 4W1 1W0 4W2 1W1 1W2
@@ -132,10 +132,7 @@ def zb_v(stages: int, microbatches: int) -> Schedule:
     ``K-1`` for its first input, then works ``6M``): a bubble of ``(K-1) / (6M + K-1)``,
     half of ZB-H1's. Memory: at most ``2K`` stage-micro-batches per device, on every
     device once M >= K; each is half of a 1F1B stage, so that is 1F1B's K micro-batches
-    (the paper's ``p·M_B``). The paper's ZB-V also idles nowhere when steps run back to
-    back; this one idles ``K-1-d`` on device ``d`` there (device 0 waits for its first
-    second-stage input rather than send its neighbour forwards out of turn), the price of
-    the message order, which one step alone does not pay.
+    (the paper's ``p·M_B``). With M >= 2K-1 and steps back to back, no device idles.
 
     Args:
         stages: K, the number of devices; the model is cut into 2K stages.
@@ -148,9 +145,75 @@ def zb_v(stages: int, microbatches: int) -> Schedule:
         ValueError: ``stages`` or ``microbatches`` below 1.
     """
     _check(stages, microbatches)
+    if microbatches >= 2 * stages - 1:
+        return _zb_v_order(stages, microbatches)
     built = greedy("zb-v", v_shape(stages), microbatches, limit=2 * stages, lead=stages)
     assert built is not None  # room for both stages of a micro-batch: never stuck
     return built
+
+
+def _zb_v_order(stages: int, microbatches: int) -> Schedule:
+    """The paper's ZB-V order, phase by phase, on each device ``d`` of K.
+
+    With ``a`` = stage ``d`` (the way down) and ``b`` = stage ``2K-1-d`` (the way up):
+
+    1. ``2(K-d)-1`` forwards of ``a``, then ``d`` pairs of an ``b`` forward and an ``a``
+       forward: the way down fills first, the way up as its inputs come back;
+    2. ``K-d`` rounds of ``b``'s forward, B and W: the first backwards, started as soon as
+       each loss is known;
+    3. the steady state: an ``a`` forward (while any is left), ``a``'s B and W, then
+       ``b``'s forward, B and W, until every forward ran;
+    4. ``d`` pairs of B's of ``a`` and ``b``, then ``K-d`` rounds of ``a``'s B with its
+       oldest W due, then the W's left, ``b``'s first.
+
+    The order is written for at least ``2K-1`` micro-batches, the steady state's; with
+    fewer (as torch runs it), the actions of micro-batches that do not exist are left out.
+    """
+    k, m = stages, microbatches
+    padded = max(2 * k - 1, m)
+    rows = [_zb_v_device(k, d, padded) for d in range(k)]
+    rows = [[action for action in row if action.microbatch < m] for row in rows]
+    return Schedule("zb-v", rows, m, 2 * k, v_shape(k))
+
+
+def _zb_v_device(k: int, d: int, padded: int) -> list[Action]:
+    """Device ``d``'s list of :func:`_zb_v_order` for ``padded`` micro-batches."""
+    down, up = d, 2 * k - 1 - d
+    made = {(down, FORWARD): 0, (down, BACKWARD): 0, (up, FORWARD): 0, (up, BACKWARD): 0}
+    row: list[Action] = []
+
+    def run(stage: int, kind: str, *, with_weight: bool = False) -> None:
+        i = made[stage, kind]
+        made[stage, kind] = i + 1
+        row.append(Action(kind, stage, i))
+        if with_weight:
+            row.append(Action(WEIGHT, stage, i))
+
+    for _ in range(2 * (k - d) - 1):
+        run(down, FORWARD)
+    for _ in range(d):
+        run(up, FORWARD)
+        run(down, FORWARD)
+    for _ in range(k - d):
+        run(up, FORWARD)
+        run(up, BACKWARD, with_weight=True)
+    while made[down, FORWARD] < padded or made[up, FORWARD] < made[down, FORWARD]:
+        if made[down, FORWARD] < padded:
+            run(down, FORWARD)
+        run(down, BACKWARD, with_weight=True)
+        run(up, FORWARD)
+        run(up, BACKWARD, with_weight=True)
+    weights = {down: made[down, BACKWARD], up: made[up, BACKWARD]}  # the next W due
+    for _ in range(d):
+        run(down, BACKWARD)
+        run(up, BACKWARD)
+    for _ in range(k - d):
+        run(down, BACKWARD)
+        row.append(Action(WEIGHT, down, weights[down]))
+        weights[down] += 1
+    for stage in (up, down):
+        row += [Action(WEIGHT, stage, i) for i in range(weights[stage], made[stage, BACKWARD])]
+    return row
 
 
 zb_v.virtual_stages = 2  # type: ignore[attr-defined]
