@@ -23,12 +23,18 @@ Sections:
   ``["cpu", "cuda:0"]`` (and the reverse for the fill-drain backward). Every hand-off is
   64 MiB, so a copy read before it lands (a missed event) shows as a wrong answer, not as
   round-off.
-- speed: a GPT-2-small-sized model (12 layers, d=768, vocab 50304, T=512, batch 16) in 4
-  stages on one GPU at M=8 against plain training of the same micro-batches: step time
-  medians, peak CUDA memory, CPU time, the runtime's cost per action beyond plain, and the
-  GPU's busy fraction from torch.profiler's kernels.
+- speed: a GPT-2-small-sized model (12 layers, d=768, vocab 50304, T=512, batch 16) on 4
+  devices of one GPU (8 stages for the schedules of two stages per device) at M=8 = 2K
+  (the fewest DualPipeV runs), every schedule against plain training of the same
+  micro-batches: step time medians, peak CUDA memory, CPU time, the runtime's cost per
+  action beyond plain, and the GPU's busy fraction from torch.profiler's kernels.
   ``1f1b+threads`` runs the 4 stages on a thread each, as before the stages of one GPU
-  shared one thread (a lane), to show what the lane saves.
+  shared one thread (a lane), to show what the lane saves. The fused pair: what
+  DualPipeV's fused action (a forward on a side stream while another micro-batch's full
+  backward runs on the current one, as ``StageWorker._fused`` issues it) takes against
+  its parts one after the other, the ``Costs.fused`` this GPU gives: measured as
+  DualPipeV's step against the same step with each pair split back into its parts, as
+  ``Costs.from_timeline`` reads it off the step, and on one stage alone.
 - torch: torch.distributed.pipelining's single-process schedules (every stage on this
   rank) on the same model, as a reference.
 - overhead: the runtime's CPU cost per action (``benchmarks/overhead.py``'s fit at K=4),
@@ -56,13 +62,24 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 SAVED = ROOT / "benchmarks" / "runs" / "gpu_check.txt"  # the GPU's report that the docs cite
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zb-v")
-_VIRTUAL = {"interleaved": 2, "zb-v": 2}
+SCHEDULES = (
+    "gpipe",
+    "1f1b",
+    "interleaved",
+    "zb-h1",
+    "zb-h2",
+    "zb-v",
+    "interleaved-zb",
+    "looped-bfs",
+    "v-half",
+    "v-min",
+    "dualpipev",
+)
 # A case's own timeout, seconds, inside its section's process (the first case of a
 # section also pays CUDA's start-up).
 _CASE_TIMEOUT = {
     "parity": 25.0,
-    "speed": 55.0,
+    "speed": 90.0,
     "torch": 30.0,
     "overhead": 60.0,
     "plan": 60.0,
@@ -70,8 +87,8 @@ _CASE_TIMEOUT = {
 }
 _SECTION_TIMEOUT = {
     "tests": 60.0,
-    "parity": 70.0,
-    "speed": 80.0,
+    "parity": 130.0,
+    "speed": 180.0,
     "torch": 35.0,
     "overhead": 70.0,
     "plan": 70.0,
@@ -86,6 +103,33 @@ def _device() -> str:
     import torch
 
     return "cuda:0" if torch.cuda.is_available() else "cpu"
+
+
+def _virtual(schedule: str) -> int:
+    """Model stages per device: 2 for the looped and V schedules, else 1."""
+    from gpipe.schedule import default_virtual_stages
+
+    return default_virtual_stages(schedule)
+
+
+def _chunks(schedule: str, devices: int, least: int) -> int:
+    """At least ``least`` micro-batches, and the 2K that DualPipeV needs."""
+    return max(least, 2 * devices) if schedule == "dualpipev" else least
+
+
+def _balance(layers: int, stages: int) -> list[int]:
+    """``layers`` modules in ``stages`` consecutive stages, the larger ones first."""
+    return [layers // stages + (s < layers % stages) for s in range(stages)]
+
+
+def _split_pairs(schedule: Any) -> Any:
+    """``schedule`` with every fused action replaced by its parts, in order: the same work
+    in the same order, without the overlap a pair allows."""
+    from gpipe.schedule import Schedule
+
+    actions = [[unit for action in device for unit in action.units] for device in schedule.actions]
+    return Schedule(f"{schedule.name}-split", actions, schedule.microbatches, schedule.stages,
+                    schedule.placement)  # fmt: skip
 
 
 def _sync() -> None:
@@ -139,11 +183,11 @@ def _parity_case(mode: str, devices: tuple[str, ...], dtype_name: str, schedule:
 
     from gpipe import GPipe
 
-    m = 4
+    m = _chunks(schedule, len(devices), 4)
     width = 16 if smoke else 256
     # NOTE: 32768 rows x 256 float64 = 64 MiB per micro-batch hand-off (32 MiB in fp32)
     rows = 8 if smoke else 32768
-    virtual = _VIRTUAL.get(schedule, 1)
+    virtual = _virtual(schedule)
     stages = len(devices) * virtual
     layers = max(stages, 4)
     dtype = torch.float64 if dtype_name == "float64" else torch.float32
@@ -156,15 +200,14 @@ def _parity_case(mode: str, devices: tuple[str, ...], dtype_name: str, schedule:
     torch.manual_seed(1)  # NOTE: drawn on the GPU: 512 MiB of randn takes a CPU seconds
     x = torch.randn(m * rows, width, dtype=dtype, device=_device())
     target = torch.randn(m * rows, width, dtype=dtype, device=_device())
-    first = torch.device(devices[0])
-    last = torch.device(devices[-1] if schedule != "zb-v" else devices[0])
-    x, target = x.to(first), target.to(last)
+    stage_devices = [next(p.parameters()).device for p in pipe.partitions]
+    # NOTE: the V schedules end on the first device: the target goes where the last stage is
+    x, target = x.to(stage_devices[0]), target.to(stage_devices[-1])
     autocast = (
         torch.autocast("cuda", dtype=torch.bfloat16)
         if dtype_name == "bf16" and torch.cuda.is_available()
         else torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype_name == "bf16")
     )
-    stage_devices = [next(p.parameters()).device for p in pipe.partitions]
     order = sorted(range(len(pipe.partitions)), key=lambda s: s)
 
     def plain() -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
@@ -236,8 +279,8 @@ def _gpt(smoke: bool) -> tuple[Any, Any, Any, list[int], int]:
 
     from gpipe.models import GPTConfig, gpt
 
-    if smoke:
-        config = GPTConfig(vocab=64, context=16, layers=4, heads=2, width=16, dropout=0.0)
+    if smoke:  # NOTE: 6 blocks make 9 modules, enough for 8 stages
+        config = GPTConfig(vocab=64, context=16, layers=6, heads=2, width=16, dropout=0.0)
         batch = 8
     else:
         config = GPTConfig(vocab=50304, context=512, layers=12, heads=12, width=768, dropout=0.0)
@@ -248,8 +291,7 @@ def _gpt(smoke: bool) -> tuple[Any, Any, Any, list[int], int]:
     targets = torch.randint(0, config.vocab, (batch, config.context), device=_device())
     # embedding + L blocks + norm + head: [4, 4, 4, 3] at full size, the head last
     n = len(model)
-    balance = [n // 4 + (s < n % 4) for s in range(4)]
-    return model, ids, targets, balance, 8
+    return model, ids, targets, _balance(n, 4), 8
 
 
 def _busy_fraction(run: Callable[[], None]) -> str:
@@ -278,29 +320,80 @@ def _busy_fraction(run: Callable[[], None]) -> str:
     return f"{busy / wall_us:.3f}"
 
 
+def _fused_pair(stage: Any, hidden: Any, repeats: int) -> tuple[float, float]:
+    """Median seconds of one fused pair on ``stage``, and of its parts one after the other.
+
+    The pair is what ``StageWorker._fused`` issues on a GPU: the forward of one micro-batch
+    on a side stream (which first waits for the current one) while the full backward (input
+    and weight gradients) of another runs on the current stream, which then waits for the
+    side one. Apart: the same forward, then the same backward, on the current stream. Each
+    is timed by CUDA events on the current stream (on a CPU, by the clock; there a pair's
+    parts run one after the other anyway). The backward's graph is built before the clock
+    starts, as in a step, where its forward ran long before.
+    """
+    import torch
+
+    cuda = hidden.is_cuda
+    if cuda:
+        current = torch.cuda.current_stream(hidden.device)
+        side = torch.cuda.Stream(hidden.device)
+
+    def once(fused: bool) -> float:
+        given = hidden.detach().requires_grad_()
+        output = stage(given)  # the other micro-batch's forward, whose backward is timed
+        gradient = torch.ones_like(output)
+        _sync()
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+        began = time.perf_counter()
+        x = hidden.detach().requires_grad_()  # NOTE: kept for a backward, as in a step
+        if fused and cuda:
+            side.wait_stream(current)
+            with torch.cuda.stream(side):
+                y = stage(x)
+            torch.autograd.backward(output, gradient)
+            current.wait_stream(side)
+        else:
+            y = stage(x)
+            torch.autograd.backward(output, gradient)
+        if cuda:
+            end.record()
+        _sync()
+        seconds = start.elapsed_time(end) / 1e3 if cuda else time.perf_counter() - began
+        del y
+        return seconds
+
+    for _ in range(3):  # warm-up: kernels chosen, memory cached
+        once(True)
+        once(False)
+    pairs, apart = [], []
+    for _ in range(repeats):  # in turns: noise lands on both alike
+        pairs.append(once(True))
+        apart.append(once(False))
+    return statistics.median(pairs), statistics.median(apart)
+
+
 def section_speed(args: argparse.Namespace) -> Iterator[tuple[str, Callable[[], str]]]:
     import torch
 
     from gpipe import GPipe, scatter
     from gpipe.models import gpt_loss
+    from gpipe.schedule import make_schedule
 
     model, ids, targets, balance, m = _gpt(args.smoke)
     gpu = _device()
-    pipes = {
-        f"{schedule}{'' if checkpoint == 'never' else '+ckpt'}": GPipe(
-            model, balance, devices=[gpu] * 4, chunks=m, schedule=schedule, checkpoint=checkpoint
-        )
-        for schedule, checkpoint in [
-            ("gpipe", "never"),
-            ("1f1b", "never"),
-            ("zb-h1", "never"),
-            ("1f1b", "except_last"),
-        ]
-    }
+
+    def pipe_of(schedule: Any, checkpoint: str = "never") -> Any:
+        v = _virtual(schedule) if isinstance(schedule, str) else schedule.virtual_stages
+        stages = balance if v == 1 else _balance(len(model), 4 * v)
+        return GPipe(model, stages, devices=[gpu] * 4, chunks=m, schedule=schedule,
+                     checkpoint=checkpoint, virtual_stages=v)  # fmt: skip
+
+    pipes = {name: pipe_of(name) for name in SCHEDULES}
+    pipes["1f1b+ckpt"] = pipe_of("1f1b", "except_last")
     # NOTE: as before lanes, a thread per stage on the one GPU: what a lane saves, measured
-    threads = GPipe(
-        model, balance, devices=[gpu] * 4, chunks=m, schedule="1f1b", checkpoint="never"
-    )
+    threads = pipe_of("1f1b")
     threads._stages.lanes = [[d] for d in range(4)]
     pipes["1f1b+threads"] = threads
     runs: dict[str, Callable[[], None]] = {}
@@ -312,7 +405,11 @@ def section_speed(args: argparse.Namespace) -> Iterator[tuple[str, Callable[[], 
     runs["plain"] = plain
     for name, pipe in pipes.items():
         runs[name] = lambda pipe=pipe: pipe.train_step(ids, targets, gpt_loss)
-    actions = {name: (3 if "zb" in name else 2) * m * 4 for name in pipes}
+    actions = {}  # F, B and W actions per step (a fused action counts its parts)
+    for name in pipes:
+        schedule = name.split("+")[0]
+        built = make_schedule(schedule, 4, m, virtual_stages=_virtual(schedule))
+        actions[name] = sum(len(action.units) for device in built.actions for action in device)
     wall: dict[str, list[float]] = {name: [] for name in runs}
     cpu: dict[str, list[float]] = {name: [] for name in runs}
     peak: dict[str, int] = {}
@@ -337,12 +434,13 @@ def section_speed(args: argparse.Namespace) -> Iterator[tuple[str, Callable[[], 
         plain_ms = statistics.median(wall["plain"]) * 1e3
         plain_cpu = statistics.median(cpu["plain"]) * 1e3
         steps = len(wall["plain"])
-        lines = [f"M={m}, K=4 stages on {gpu}, balance {balance}; medians of {steps} steps"]
+        lines = [f"M={m}, K=4 devices on {gpu}, balance {balance} (8 stages: "
+                 f"{_balance(len(model), 8)}); medians of {steps} steps"]  # fmt: skip
         lines.append(
             "  (us/action: beyond plain, per F/B/W action; wall = step time, cpu = CPU time of "
             "every thread)"
         )
-        lines.append(f"  {'run':<12} {'step ms':>9} {'x plain':>8} {'cpu ms':>8} "
+        lines.append(f"  {'run':<14} {'step ms':>9} {'x plain':>8} {'cpu ms':>8} "
                      f"{'wall us/a':>10} {'cpu us/a':>9} {'peak MiB':>9}")  # fmt: skip
         for name in runs:
             ms = statistics.median(wall[name]) * 1e3
@@ -355,7 +453,7 @@ def section_speed(args: argparse.Namespace) -> Iterator[tuple[str, Callable[[], 
                 per_action = f"{wall_us:10.1f} {cpu_us:9.1f}"
                 _result(f"speed_{key}_cpu_us_per_action", f"{cpu_us:.0f}")
             lines.append(
-                f"  {name:<12} {ms:9.1f} {ms / plain_ms:8.3f} {cpu_ms:8.1f} {per_action} "
+                f"  {name:<14} {ms:9.1f} {ms / plain_ms:8.3f} {cpu_ms:8.1f} {per_action} "
                 f"{peak.get(name, 0) / 2**20:9.0f}"
             )
             _result(f"speed_{key}_ms", f"{ms:.1f}")
@@ -380,7 +478,7 @@ def section_speed(args: argparse.Namespace) -> Iterator[tuple[str, Callable[[], 
             runs[name]()
             ours = max(e.memory for device in pipe.timeline.events for e in device)
             allocated = sum(pipe.cuda_memory.values())
-            lines.append(f"  {name:<12} {ours / 2**20:9.0f} {allocated / 2**20:9.0f}")
+            lines.append(f"  {name:<14} {ours / 2**20:9.0f} {allocated / 2**20:9.0f}")
             model.zero_grad(set_to_none=True)
         return "\n".join(lines)
 
@@ -399,6 +497,49 @@ def section_speed(args: argparse.Namespace) -> Iterator[tuple[str, Callable[[], 
         )
 
     yield "speed timeline", timeline
+
+    def fused_pair() -> str:
+        from gpipe.analysis import Costs
+
+        fused_pipe = pipes["dualpipev"]
+        split_pipe = pipe_of(_split_pairs(make_schedule("dualpipev", 4, m, virtual_stages=2)))
+        turns = {"fused": fused_pipe, "split": split_pipe}
+        times: dict[str, list[float]] = {name: [] for name in turns}
+        for turn in range(1 + (3 if args.smoke else 8)):  # the first: warm-up
+            for name, pipe in turns.items():
+                _sync()
+                began = time.perf_counter()
+                pipe.train_step(ids, targets, gpt_loss)
+                _sync()
+                if turn:
+                    times[name].append(time.perf_counter() - began)
+                model.zero_grad(set_to_none=True)
+        fused_ms, split_ms = (statistics.median(times[name]) * 1e3 for name in turns)
+        # the step the fused pipe ran last: its pairs against its own plain F, B and W
+        from_step = Costs.from_timeline(fused_pipe.timeline, 8).fused
+        stage = fused_pipe.partitions[1]  # two GPT blocks (one at --smoke)
+        with torch.no_grad():
+            hidden = fused_pipe.partitions[0](scatter(ids, m)[0])
+        pair, apart = _fused_pair(stage, hidden, 5 if args.smoke else 30)
+        model.zero_grad(set_to_none=True)
+        split_pipe.close()
+        _result("fused_step_ms", f"{fused_ms:.1f}")
+        _result("fused_split_step_ms", f"{split_ms:.1f}")
+        _result("fused_step_ratio", f"{fused_ms / split_ms:.3f}")
+        _result("fused_from_timeline", f"{from_step:.3f}")
+        _result("fused_stage_ratio", f"{pair / apart:.3f}")
+        return "\n".join([
+            f"fused pair (Costs.fused), dualpipev, K=4, M={m} on {gpu}:",
+            f"  step: {fused_ms:.1f} ms with its pairs fused, {split_ms:.1f} ms with each "
+            f"split into its parts in order: {fused_ms / split_ms:.3f}",
+            f"  Costs.from_timeline of the fused step: a pair takes {from_step:.3f} of its "
+            "parts' median F + B + W",
+            f"  one stage: F of one micro-batch with the full backward of another "
+            f"{pair * 1e3:.2f} ms fused, {apart * 1e3:.2f} ms one after the other: "
+            f"{pair / apart:.3f}",
+        ])  # fmt: skip
+
+    yield "speed fused pair", fused_pair
 
 
 def section_torch(args: argparse.Namespace) -> Iterator[tuple[str, Callable[[], str]]]:

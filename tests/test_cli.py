@@ -184,6 +184,9 @@ def test_bubble_formulas_follow_the_papers() -> None:
         (["simulate", "-K", "2", "-M", "4", "--transfer", "-1"], "number >= 0, got -1"),
         (["simulate", "-K", "2", "-M", "4", "-s", "nope"], "invalid choice: 'nope'"),
         (["simulate", "-K", "2", "-M", "4", "-s", "1f1b", "-v", "2"], "use schedule='interleaved'"),
+        (["simulate", "-K", "4", "-M", "6", "-s", "dualpipev"], "pass -M 8 or more, or -s zb-v"),
+        (["simulate", "-K", "2", "-M", "4", "-s", "1f1b", "--fused", "0.8"], "use it with -s dual"),
+        (["simulate", "-K", "2", "-M", "4", "-s", "dualpipev", "--fused", "0"], "number > 0"),
         (["bubble", "-M", "0"], "expected a whole number >= 1"),
         (["simulate", "-K", "2", "-M", "4", "--memory-limit", "3"], "for -s auto only"),
         (["simulate", "-K", "2", "-M", "4", "-s", "auto", "--memory-limit", "0"], "> 0"),
@@ -248,6 +251,43 @@ def test_simulate_zb_v_on_twice_the_stages_is_as_short_as_one_step_can_be(
     assert fields["peak_memory"] == "8,8,8,8"  # 2K half-stages: 1F1B's K
 
 
+def test_simulate_dualpipev_shows_its_pairs_and_its_memory_beside_the_formula(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    _, out = run(capsys, "simulate", "-K", "4", "-M", "8", "-s", "dualpipev", "--no-color")
+    fields = result_fields(out)
+    assert "0F7+7B3+7W3" in out  # the step x device grid shows a fused pair
+    assert fields["makespan"] == "54"  # pairs at their parts' sum: 6M + 2(K-1)
+    assert fields["peak_memory"] == "9,9,9,9"
+    assert fields["formula_memory"] == "9"  # 2K+1
+    lines = out.splitlines()
+    assert lines[-2].split()[:3] == ["memory", "9", "9"]
+    assert lines[-2].split()[3:6] == ["2K+1,", "when", "M"]
+
+
+def test_simulate_fused_pairs_that_overlap_shorten_dualpipev(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ["simulate", "-K", "4", "-M", "8", "-s", "dualpipev", "--no-color"]
+    _, out = run(capsys, *argv, "--fused", "0.8")
+    fields = result_fields(out)
+    assert float(fields["makespan"]) < 54
+    assert fields["peak_memory"] == "9,9,9,9"  # overlap changes the times, not the order
+
+
+def test_simulate_puts_each_formula_beside_the_simulated_value(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    _, out = run(capsys, "simulate", "-K", "4", "-M", "8", "-s", "v-min", "--no-color")
+    bubble, memory = out.splitlines()[-3:-1]
+    assert bubble.split()[:3] == ["bubble", "0.1864", "0.1864"]  # 11 / 59
+    assert memory.split()[:4] == ["memory", "4", "4", "min(2M,"]
+    _, out = run(capsys, "simulate", "-K", "4", "-M", "8", "-s", "zb-h1", "--costs", "1,2,1")
+    bubble = out.splitlines()[-3]
+    assert bubble.split()[2] == "n/a" and bubble.endswith("not with these costs")
+    assert result_fields(out)["formula_bubble"] == "n/a"
+
+
 def test_simulate_auto_searches_under_the_memory_limit(capsys: pytest.CaptureFixture[str]) -> None:
     _, out = run(capsys, "simulate", "-K", "4", "-M", "8", "-s", "auto", "--memory-limit", "7")
     fields = result_fields(out)
@@ -270,9 +310,17 @@ def test_bubble_defaults_cover_every_schedule_and_agree_with_formulas(
     code, out = run(capsys, "bubble")
     assert code == 0
     fields = result_fields(out)
-    assert fields["schedules"] == "gpipe,1f1b,interleaved,zb-h1,zb-h2,zb-v"
-    assert fields["cells"] == str(6 * 4 * 7)
+    assert fields["schedules"] == (
+        "gpipe,1f1b,interleaved,zb-h1,zb-h2,zb-v,interleaved-zb,looped-bfs,v-half,v-min,dualpipev"
+    )
+    # dualpipev builds only where M >= 2K: 5 + 4 + 3 + 2 of its 28 cells
+    assert fields["cells"] == str(10 * 4 * 7 + 14)
     assert float(fields["max_abs_error"]) < 1e-9
+    # every cell has a memory formula, and the simulator's peak equals it in each
+    assert fields["memory_compared"] == fields["cells"]
+    assert fields["memory_max_abs_error"] == "0"
+    assert "dualpipev, v=2: simulated bubble" in out
+    assert "peak memory, formula 2K+1, when M >= 2K: the simulated peak equals it in all 14" in out
 
 
 @pytest.mark.parametrize(

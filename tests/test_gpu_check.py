@@ -2,6 +2,7 @@
 
 ``benchmarks/runs/gpu_check.txt`` is an H200's report and the README cites its figures: a
 run without CUDA writes only where ``--out`` says, and the benchmarks page never reruns it.
+The parts of its fused-pair row that a CPU can run are checked here too.
 """
 
 from __future__ import annotations
@@ -42,6 +43,52 @@ def _check(tmp_path: Path, *arguments: str) -> subprocess.CompletedProcess[str]:
         text=True,
         timeout=120,
     )
+
+
+def _the_check() -> ModuleType:
+    """benchmarks/gpu_check.py as a module (its main() does not run)."""
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "benchmarks" / "gpu_check.py")
+    assert spec is not None and spec.loader is not None
+    check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(check)
+    return check
+
+
+def test_the_split_dualpipev_runs_each_pairs_parts_in_order_and_validates() -> None:
+    from gpipe.schedule import FUSED, make_schedule, validate
+
+    check = _the_check()
+    fused = make_schedule("dualpipev", 2, 4, virtual_stages=2)
+    split = check._split_pairs(fused)
+    validate(split)
+    assert split.name == "dualpipev-split" and split.placement == fused.placement
+    assert not any(a.kind == FUSED for device in split.actions for a in device)
+    for ours, theirs in zip(split.actions, fused.actions):
+        assert list(ours) == [unit for action in theirs for unit in action.units]
+    assert len(split) > len(fused)  # there were pairs to split
+
+
+def test_the_check_gives_dualpipev_the_2k_micro_batches_it_needs() -> None:
+    check = _the_check()
+    assert check._chunks("dualpipev", 4, 4) == 8
+    assert check._chunks("dualpipev", 2, 4) == 4
+    assert check._chunks("zb-v", 4, 4) == 4
+    assert [check._virtual(name) for name in ("1f1b", "interleaved", "v-min", "dualpipev")] == [
+        1,
+        2,
+        2,
+        2,
+    ]
+    assert check._balance(15, 8) == [2, 2, 2, 2, 2, 2, 2, 1]
+
+
+def test_the_fused_pair_benchmark_times_a_pair_and_its_parts_on_a_cpu() -> None:
+    check = _the_check()
+    torch.manual_seed(0)
+    stage = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh())
+    pair, apart = check._fused_pair(stage, torch.randn(4, 8), 2)
+    assert 0 < pair < 1 and 0 < apart < 1
+    assert all(p.grad is not None for p in stage.parameters())  # the backward was a full one
 
 
 @no_cuda

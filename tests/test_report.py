@@ -80,6 +80,30 @@ def test_quick_report_measures_sensible_values(report: tuple[Path, dict[str, str
     assert 1 < float(result["speedup_k8m32"]) < 8
 
 
+def test_the_schedule_table_sets_every_schedule_beside_its_formulas(
+    report: tuple[Path, dict[str, str]],
+) -> None:
+    out, result = report
+    from gpipe.schedule import SCHEDULES
+
+    names = [name for name in SCHEDULES if name != "auto"]
+    assert {f"bubble_{name.replace('-', '')}" for name in names} <= set(result)
+    text = (out / "report.md").read_text()
+    section = text.split("## 3. ")[1].split("\n## ")[0]
+    rows = {
+        cells[0]: cells[3:5] + cells[6:8]
+        for line in section.splitlines()
+        if line.startswith("| ") and (cells := [c.strip() for c in line.split("|")[1:-1]])
+    }
+    # simulated bubble, its formula, simulated stage inputs held, its formula (K=4, M=8)
+    assert rows["gpipe"] == ["0.273", "0.273", "8", "8"]
+    assert rows["zb-v (v=2)"] == ["0.059", "0.059", "8", "8"]
+    assert rows["v-min (v=2)"] == ["0.186", "0.186", "4", "4"]
+    assert rows["dualpipev (v=2)"] == ["0.111", "-", "9", "9"]  # 2K+1; no bubble formula
+    shown = {row.split(" (v=")[0] for row in rows} - {"schedule", "---"}  # less the header
+    assert shown == set(names)
+
+
 def test_report_refuses_an_unknown_section(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["report", "--sections", "2,9"]) == 2
     assert "no section 9: choose from 1-8, e.g. --sections 2,3" in capsys.readouterr().err

@@ -1,4 +1,5 @@
-"""Tabulate simulated bubble fractions (F = B = W = 1) beside their closed-form formulas."""
+"""Tabulate simulated bubble fractions (F = B = W = 1) beside their closed-form formulas, and
+check each schedule's simulated peak memory against its own."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from gpipe.cli.simulate import check_size
 
 __all__ = ["add_arguments", "run"]
 
-_FORMULA_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zb-v")
+Held = tuple[int, int, float, "float | None"]  # K, M, simulated peak, its formula's value
 
 
 def add_arguments(sub: argparse.ArgumentParser) -> None:
@@ -38,15 +39,15 @@ def add_arguments(sub: argparse.ArgumentParser) -> None:
         "-s",
         nargs="+",
         choices=names,
-        default=[n for n in _FORMULA_SCHEDULES if n in names],
-        help="schedules to tabulate (default: all with a formula)",
+        default=[n for n in names if n != "auto"],
+        help="schedules to tabulate (default: every one but auto, which searches)",
     )
     sub.add_argument(
         "--virtual-stages",
         "-v",
         type=positive_int,
         default=2,
-        help="v for the interleaved schedule (default 2; zb-v always has 2)",
+        help="v for the looped schedules (default 2; zb-v, v-half and v-min always have 2)",
     )
     sub.add_argument(
         "--memory-limit",
@@ -59,24 +60,49 @@ def add_arguments(sub: argparse.ArgumentParser) -> None:
     sub.set_defaults(parser=sub)
 
 
+def _stages_per_device(name: str, requested: int) -> int:
+    """v for schedule ``name``: ``requested`` (at least what it needs) for the looped ones,
+    which take any, else its own (:func:`gpipe.schedule.default_virtual_stages`)."""
+    from gpipe.schedule import SCHEDULES, default_virtual_stages
+
+    own = default_virtual_stages(name)
+    generator = SCHEDULES[name]
+    if own == 1 or getattr(generator, "virtual_stages", None) is not None:
+        return own
+    return max(requested, getattr(generator, "least_virtual_stages", 1))
+
+
 def run(args: argparse.Namespace) -> int:
     """Print one table per schedule and a RESULT line with the largest error."""
-    from gpipe.analysis import BUBBLE_FORMULAS, Costs, bubble_formula, simulate
+    from gpipe.analysis import (
+        BUBBLE_FORMULAS,
+        MEMORY_FORMULAS,
+        Costs,
+        bubble_formula,
+        memory_formula,
+        simulate,
+    )
     from gpipe.schedule import make_schedule
 
-    v_most = max(args.virtual_stages, 2 if "zb-v" in args.schedule else 1)
+    v_most = max(_stages_per_device(name, args.virtual_stages) for name in args.schedule)
     check_size(max(args.stages), max(args.microbatches), v_most, search="auto" in args.schedule)
     costs = Costs(1.0, 1.0, 1.0)
-    worst = 0.0
-    compared = built = 0
+    worst = worst_memory = 0.0
+    compared = built = memory_compared = 0
     if args.memory_limit is not None and "auto" not in args.schedule:
         args.parser.error("--memory-limit is for -s auto only; add auto to --schedule")
     for name in args.schedule:
-        v = {"interleaved": args.virtual_stages, "zb-v": 2}.get(name, 1)
+        v = _stages_per_device(name, args.virtual_stages)
         options = {"costs": costs, "memory_limit": args.memory_limit} if name == "auto" else {}
+        held: list[Held] = []
 
         def cell(
-            k: int, m: int, name: str = name, v: int = v, options: dict[str, Any] = options
+            k: int,
+            m: int,
+            name: str = name,
+            v: int = v,
+            options: dict[str, Any] = options,
+            held: list[Held] = held,
         ) -> str:
             nonlocal worst, compared, built
             try:
@@ -84,7 +110,9 @@ def run(args: argparse.Namespace) -> int:
             except ValueError:
                 return "-"
             built += 1
-            simulated = simulate(schedule, costs).bubble
+            timeline = simulate(schedule, costs)
+            simulated = timeline.bubble
+            held.append((k, m, max(timeline.peak_memory), memory_formula(name, k, m, v)))
             formula = bubble_formula(name, k, m, v)
             if formula is None:
                 return f"{simulated:.3f} (n/a)"
@@ -99,15 +127,39 @@ def run(args: argparse.Namespace) -> int:
             suffix += f", memory limit {limit:g}" if limit is not None else ", memory limit K"
         print(f"{name}{suffix}: simulated bubble (formula {formula})")
         print(_table(args.stages, args.microbatches, cell))
+        print(_memory_line(MEMORY_FORMULAS.get(name), held))
         print()
-    print("-: the schedule cannot be built there; n/a: no closed form applies there")
+        for _, _, peak, peak_formula in held:
+            if peak_formula is not None:
+                memory_compared += 1
+                worst_memory = max(worst_memory, abs(peak - peak_formula))
+    print(
+        "-: the schedule cannot be built there (dualpipev needs M >= 2K); n/a: no closed "
+        "form applies there"
+    )
     print(
         f"RESULT schedules={','.join(args.schedule)} "
         f"stages={','.join(map(str, args.stages))} "
         f"microbatches={','.join(map(str, args.microbatches))} "
-        f"cells={built} compared={compared} max_abs_error={worst:.3g}"
+        f"cells={built} compared={compared} max_abs_error={worst:.3g} "
+        f"memory_compared={memory_compared} memory_max_abs_error={worst_memory:g}"
     )
     return 0
+
+
+def _memory_line(form: str | None, held: Sequence[Held]) -> str:
+    """Whether the simulated peak memory (the busiest device's, in stage-micro-batches)
+    equals its formula in every cell that has one, naming the cells where it does not."""
+    if form is None:
+        return "peak memory: no formula known"
+    known = [(k, m, got, want) for k, m, got, want in held if want is not None]
+    wrong = [f"K={k} M={m}: {got:g} against {want:g}" for k, m, got, want in known if got != want]
+    said = f"peak memory, formula {form}: "
+    if not known:
+        return said + "no cell it applies to"
+    if wrong:
+        return said + f"differs in {len(wrong)} of {len(known)} cells ({'; '.join(wrong[:3])})"
+    return said + f"the simulated peak equals it in all {len(known)} cells"
 
 
 def _table(rows: Sequence[int], columns: Sequence[int], cell: Callable[[int, int], str]) -> str:

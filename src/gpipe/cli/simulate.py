@@ -1,4 +1,5 @@
-"""Simulate one schedule under a cost model: its step x device grid, its chart, a RESULT line."""
+"""Simulate one schedule under a cost model: its step x device grid, its chart, its bubble and
+memory beside their closed forms, and a RESULT line."""
 
 from __future__ import annotations
 
@@ -64,8 +65,8 @@ def add_arguments(sub: argparse.ArgumentParser) -> None:
         "-v",
         type=positive_int,
         default=None,
-        help="model stages per device (default 2 for interleaved and zb-v, else 1; auto "
-        "takes 1 or 2)",
+        help="model stages per device (default 2 for interleaved, interleaved-zb, looped-bfs, "
+        "zb-v, v-half and v-min, else 1; auto takes 1 or 2)",
     )
     sub.add_argument(
         "--costs",
@@ -74,6 +75,15 @@ def add_arguments(sub: argparse.ArgumentParser) -> None:
         metavar="F,B,W",
         help="forward, backward and weight-gradient time per stage (default "
         "1,1,1); schedules without W actions run W inside B",
+    )
+    sub.add_argument(
+        "--fused",
+        type=positive_float,
+        default=None,
+        metavar="F",
+        help="what a fused action (dualpipev's forward and backward issued together) takes, "
+        "as a fraction of its parts one after the other (default 1: no overlap, as on one "
+        "CPU; a GPU that overlaps them takes less)",
     )
     sub.add_argument(
         "--transfer",
@@ -111,27 +121,34 @@ def add_arguments(sub: argparse.ArgumentParser) -> None:
     sub.set_defaults(parser=sub)
 
 
-def _virtual_stages(name: str, requested: int | None) -> int:
-    if requested is not None:
-        return requested
-    return 2 if name in ("interleaved", "zb-v") else 1
-
-
 def run(args: argparse.Namespace) -> int:
-    """Simulate, print the grid (if small), the chart and a RESULT line."""
+    """Simulate, print the grid (if small), the chart, the bubble and memory beside their
+    formulas, and a RESULT line."""
     from gpipe.analysis import Costs, simulate
-    from gpipe.schedule import make_schedule
+    from gpipe.schedule import FUSED, default_virtual_stages, make_schedule
 
     parser: argparse.ArgumentParser = args.parser
     forward, backward, weight = args.costs
-    v = _virtual_stages(args.schedule, args.virtual_stages)
-    check_size(args.stages, args.microbatches, v, search=args.schedule == "auto")
-    costs = Costs(forward, backward, weight, transfer=args.transfer)
+    v = args.virtual_stages or default_virtual_stages(args.schedule)
+    k, m = args.stages, args.microbatches
+    check_size(k, m, v, search=args.schedule == "auto")
+    if args.schedule == "dualpipev" and m < 2 * k:
+        parser.error(
+            f"dualpipev needs at least 2K = {2 * k} micro-batches on K={k} devices (its "
+            f"first device warms up with 2K-1 forwards), got -M {m}: pass -M {2 * k} or "
+            "more, or -s zb-v, which runs any count on the same V of stages"
+        )
+    fused = 1.0 if args.fused is None else args.fused
+    costs = Costs(forward, backward, weight, transfer=args.transfer, fused=fused)
     options = search_options(parser, args.schedule, costs, args.memory_limit)
     try:
-        schedule = make_schedule(
-            args.schedule, args.stages, args.microbatches, virtual_stages=v, **options
-        )
+        schedule = make_schedule(args.schedule, k, m, virtual_stages=v, **options)
+        has_fused = any(a.kind == FUSED for actions in schedule.actions for a in actions)
+        if args.fused is not None and not has_fused:
+            parser.error(
+                f"--fused prices fused actions, and {args.schedule!r} has none: use it with "
+                "-s dualpipev"
+            )
         began = time.perf_counter()
         timeline = simulate(schedule, costs)
         elapsed = time.perf_counter() - began
@@ -147,21 +164,77 @@ def run(args: argparse.Namespace) -> int:
     print(format_chart(timeline, width=args.width, color=False if args.no_color else None))
     try:
         if args.plot:
-            title = f"{args.schedule}, K={args.stages}, M={args.microbatches}"
+            title = f"{args.schedule}, K={k}, M={m}"
             print(f"wrote {timeline.plot(args.plot, title=title)}")
         if args.trace:
             timeline.to_chrome_trace(args.trace)
             print(f"wrote {args.trace}")
     except OSError as error:
         raise CommandError(f"cannot write {error.filename}: {error.strerror}") from None
-    peaks = ",".join(f"{m:g}" for m in timeline.peak_memory)
+    equal = forward == backward == weight and args.transfer == 0 and fused == 1.0
+    bubble, memory = _formulas(schedule.name, k, m, v, equal=equal)
+    for line in _compared(timeline.bubble, max(timeline.peak_memory), bubble, memory):
+        print(line)
+    peaks = ",".join(f"{x:g}" for x in timeline.peak_memory)
     print(
-        f"RESULT schedule={args.schedule} stages={args.stages} "
-        f"microbatches={args.microbatches} makespan={timeline.makespan:g} "
+        f"RESULT schedule={args.schedule} stages={k} "
+        f"microbatches={m} makespan={timeline.makespan:g} "
         f"bubble={timeline.bubble:.4f} steady_bubble={timeline.steady_bubble:.4f} "
-        f"peak_memory={peaks} sim_seconds={elapsed:.6f}"
+        f"peak_memory={peaks} formula_bubble={_value(bubble[0], '.4f')} "
+        f"formula_memory={_value(memory[0], 'g')} sim_seconds={elapsed:.6f}"
     )
     return 0
+
+
+_Formula = tuple[float | None, str]  # a value (None: none here) and its form
+
+
+def _formulas(
+    name: str, k: int, m: int, v: int, *, equal: bool = True
+) -> tuple[_Formula, _Formula]:
+    """Schedule ``name``'s closed-form bubble and memory at K, M, v: each its value (None
+    where none applies) and its form, or why it has no value here.
+
+    Args:
+        equal: whether the costs are the formulas' own (F = B = W, no transfer, fused
+            actions at their parts' sum); the bubble's value is given only then.
+    """
+    from gpipe.analysis import (
+        BUBBLE_FORMULAS,
+        MEMORY_FORMULAS,
+        bubble_formula,
+        memory_formula,
+    )
+
+    def one(form: str | None, value: float | None) -> _Formula:
+        if form is None:
+            return None, "none known"
+        if value is None:
+            return None, f"{form}; not at K={k}, M={m}"
+        return value, form
+
+    bubble = one(BUBBLE_FORMULAS.get(name), bubble_formula(name, k, m, v))
+    if bubble[0] is not None and not equal:
+        bubble = None, f"{bubble[1]}; not with these costs"
+    memory = one(MEMORY_FORMULAS.get(name), memory_formula(name, k, m, v))
+    return bubble, memory
+
+
+def _compared(
+    bubble: float, memory: float, bubble_form: _Formula, memory_form: _Formula
+) -> list[str]:
+    """A small table: the simulated bubble and the busiest device's peak, each beside its
+    formula's value and form."""
+    return [
+        f"{'':8}{'simulated':>10}{'formula':>9}",
+        f"{'bubble':8}{bubble:>10.4f}{_value(bubble_form[0], '.4f'):>9}  {bubble_form[1]}",
+        f"{'memory':8}{memory:>10g}{_value(memory_form[0], 'g'):>9}  {memory_form[1]} "
+        "(stage-micro-batches, the busiest device)",
+    ]
+
+
+def _value(value: float | None, spec: str) -> str:
+    return "n/a" if value is None else format(value, spec)
 
 
 def search_options(
