@@ -2,12 +2,14 @@
 
 The stages are sleep layers (F and B ms), one per process, as in latency_distributed.py, so
 all that is not sleep is the runtime's. Three runtimes run the same stages, in turns, in the
-same processes: ours, torch's, and a **floor**, the leanest loop gloo allows: each rank runs
-its action list on its one thread with real autograd, every receive of the step posted
-before its first action and waited for right where it is needed, every send posted at once
-and waited for at the end, no header (the shapes are fixed), no failure handling (a dead
-peer hangs it). It is what this machine's processes and links cost with nothing else
-around them. Every sleep is noted on the machine's monotonic clock, which all processes
+same processes: ours (twice: **ours** posts each receive in the step its message is made,
+as gpipe does, and **late** right before the action that reads it, as gpipe did before; see
+:func:`gpipe.schedule.lowering.lower`), torch's, and a **floor**, the leanest loop gloo
+allows: each rank runs its action list on its one thread with real autograd, every receive
+of the step posted before its first action and waited for right where it is needed, every
+send posted at once and waited for at the end, no header (the shapes are fixed), no failure
+handling (a dead peer hangs it). It is what this machine's processes and links cost with
+nothing else around them. Every sleep is noted on the machine's monotonic clock, which all processes
 share, and three costs are read off the notes, the same way for every runtime:
 
 - **overrun**: how much longer a sleep took than asked (the OS waking the thread late);
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -43,6 +46,7 @@ from torch.nn import functional as F
 
 import gpipe.distributed as gd
 from gpipe.analysis import Event, Timeline
+from gpipe.distributed.programs import RECEIVES
 from gpipe.models import sleep, sleep_stages
 from gpipe.schedule import BACKWARD, FORWARD, Action, dependencies, make_schedule
 from latency_distributed import SCHEDULES, torch_step
@@ -95,17 +99,28 @@ def _timed(step: Callable[[], None], steps: int, parts: Callable[[], Any]) -> li
     return out
 
 
-def _ours(k: int, f: float, b: float, m: int, schedule: str, steps: int) -> list[Any]:
+def _ours(
+    k: int, f: float, b: float, m: int, schedule: str, steps: int, receives: str = "early"
+) -> list[Any]:
     """Per timed step: (step seconds, this rank's sleeps, the timeline's hop parts)."""
-    pipe = gd.DistributedGPipe(
-        sleep_stages(k, f, b), [1] * k, chunks=m, schedule=schedule, checkpoint="never"
-    )
+    os.environ[RECEIVES] = receives  # NOTE: read once, as the pipe is made
+    try:
+        pipe = gd.DistributedGPipe(
+            sleep_stages(k, f, b), [1] * k, chunks=m, schedule=schedule, checkpoint="never"
+        )
+    finally:
+        del os.environ[RECEIVES]
     x, y = torch.randn(m, 4), torch.randn(m, 4)
     out = _timed(
         lambda: pipe.train_step(x, y, F.mse_loss), steps, lambda: _hop_parts(pipe.timeline)
     )
     pipe.close()
     return out
+
+
+def _ours_late(k: int, f: float, b: float, m: int, schedule: str, steps: int) -> list[Any]:
+    """:func:`_ours` with each receive posted right before its reader, as gpipe did before."""
+    return _ours(k, f, b, m, schedule, steps, receives="late")
 
 
 def _theirs(k: int, f: float, b: float, m: int, schedule: str, steps: int) -> list[Any]:
@@ -235,7 +250,7 @@ def _path(timeline: Timeline, asked: dict[str, float]) -> dict[str, float]:
 
 
 # the runtimes measured, in the order they take turns
-SIDES = {"ours": _ours, "torch": _theirs, "floor": _floor}
+SIDES = {"ours": _ours, "late": _ours_late, "torch": _theirs, "floor": _floor}
 
 
 def both(
@@ -335,6 +350,7 @@ def run(args: argparse.Namespace) -> None:
                 for side, c in figures.items()
                 for name, key, digits in _STEP_KEYS
             )
+            + f" ours_over_late={ours['step'] / figures['late']['step']:.3f}"
             + f" sending_ms={ours['sending']:.3f} flight_ms={ours['flight']:.3f} "
             f"receiving_ms={ours['receiving']:.3f} "
             + " ".join(

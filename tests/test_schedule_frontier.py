@@ -205,3 +205,18 @@ def test_memory_formula_knows_dualpipev_only_once_m_fills_it() -> None:
     assert memory_formula("dualpipev", 4, 8, 2) == 9
     assert memory_formula("dualpipev", 4, 7, 2) is None
     assert memory_formula("auto", 4, 8, 2) is None
+
+
+def test_dualpipev_bubble_and_memory_are_their_formulas_once_m_fills_it() -> None:
+    # F = B = W per stage, pairs at their parts' sum: an idle 2(K-1) over 6M of work, and
+    # the published 2K+1 stage-micro-batches on every device, for every M >= 2K.
+    checked = 0
+    for k in range(1, 7):
+        for m in range(2 * k, 4 * k + 2):
+            timeline = simulate(make_schedule("dualpipev", k, m, virtual_stages=2), UNIT)
+            assert timeline.bubble == pytest.approx(bubble_formula("dualpipev", k, m, 2), abs=1e-12)
+            assert timeline.bubble == pytest.approx((k - 1) / (3 * m + k - 1), abs=1e-12)
+            assert timeline.peak_memory == [memory_formula("dualpipev", k, m, 2)] * k
+            checked += 1
+    assert checked == sum(2 * k + 2 for k in range(1, 7))
+    assert bubble_formula("dualpipev", 4, 7, 2) is None  # it needs M >= 2K

@@ -29,7 +29,10 @@ def bubble_formula(name: str, stages: int, microbatches: int, virtual_stages: in
     the 6M of work, what their generators give (:func:`~gpipe.schedule.v_half`): V-Half
     ``3K-4`` for odd K, ``3K-7`` for even K; V-Min ``4K-5`` when K mod 3 is 1, else
     ``4K-7``; both ``K-1`` for K <= 2. The paper's approximations, against 1F1B's idle
-    ``6(K-1)``: V-Half about half of it, V-Min about two thirds.
+    ``6(K-1)``: V-Half about half of it, V-Min about two thirds. DualPipeV with F = B = W
+    per stage and a fused pair costing its parts (``Costs.fused`` = 1), for ``M >= 2K``:
+    ``(K-1)/(3M+K-1)``, an idle ``2(K-1)`` over ``6M`` of work (ZB-H1's fraction); less
+    as the pairs overlap (its docstring says where it beats ZB-V).
 
     Args:
         name: the schedule's name.
@@ -56,6 +59,8 @@ def bubble_formula(name: str, stages: int, microbatches: int, virtual_stages: in
     if name in ("v-half", "v-min") and m >= k:
         idle = _v_idle(name, k)
         return idle / (6 * m + idle)
+    if name == "dualpipev" and m >= 2 * k:
+        return (k - 1) / (3 * m + k - 1)
     return None
 
 
@@ -174,6 +179,7 @@ BUBBLE_FORMULAS = {
     "looped-bfs": "(K-1)/(v*M+K-1), when M >= K",
     "v-half": "I/(6M+I) with F=B=W, I = 3K-4 (odd K) or 3K-7 (even K >= 4); paper ~K/(2M)",
     "v-min": "I/(6M+I) with F=B=W, I = 4K-5 (K mod 3 = 1) or 4K-7; paper ~2K/(3M)",
+    "dualpipev": "(K-1)/(3M+K-1) with F=B=W and unfused pairs (Costs.fused=1), when M >= 2K",
 }
 
 MEMORY_FORMULAS = {

@@ -6,6 +6,7 @@ What every rank agrees on before a step (the header) is in :mod:`gpipe.distribut
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from gpipe.runtime.routes import Routes
@@ -13,7 +14,11 @@ from gpipe.schedule import Schedule
 from gpipe.schedule.lowering import Batch, Flow, lower
 from gpipe.schedule.validate import check_lowered
 
-__all__ = ["Programs"]
+__all__ = ["RECEIVES", "Programs"]
+
+# Where a pipe posts its receives (see gpipe.schedule.lowering.lower): "early" (the default)
+# or "late", for benchmarks/handoff.py to measure what posting early saves.
+RECEIVES = "GPIPE_RECEIVES"
 
 
 class Programs:
@@ -28,6 +33,7 @@ class Programs:
         self._flow = None if routes is None else _flow(routes)
         self._device = device
         self._known: dict[Any, tuple[Schedule, list[Batch]]] = {}
+        self._receives = os.environ.get(RECEIVES, "early")
 
     def of(self, schedule: Schedule) -> list[Batch]:
         """This rank's batches of ``schedule``.
@@ -38,7 +44,7 @@ class Programs:
         key = (schedule.microbatches, schedule.split_backward, len(schedule))
         known = self._known.get(key)
         if known is None or known[0].actions != schedule.actions:
-            lowered = lower(schedule, self._flow)
+            lowered = lower(schedule, self._flow, receives=self._receives)
             check_lowered(lowered)
             known = self._known[key] = (schedule, lowered.batches(self._device))
         return known[1]

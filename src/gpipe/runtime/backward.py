@@ -27,23 +27,36 @@ from gpipe.structure import leaves
 if TYPE_CHECKING:
     from gpipe.runtime.worker import StageWorker
 
-__all__ = ["backward", "weight"]
+__all__ = ["backward", "receive_gradients", "weight"]
 
 _ENGINE: Any = torch.autograd.Variable._execution_engine
 
 
-def backward(worker: StageWorker, action: Action) -> None:
-    """Run B(stage, micro-batch) on ``worker``."""
+def receive_gradients(worker: StageWorker, action: Action) -> Any:
+    """Wait for B(stage, micro-batch)'s output gradient and take it: None on the stage that
+    computes the loss (its backward starts from it), a dataflow's messages per reader."""
+    stage, mb = action.stage, action.microbatch
+    if worker.state.loss is not None and stage == worker._last:
+        return None
+    if worker.routes is None:
+        return worker.transport.recv((GRADIENT, stage, mb))
+    return worker.routes.receive_gradients(worker.transport, stage, mb)
+
+
+_UNTAKEN: Any = object()
+
+
+def backward(worker: StageWorker, action: Action, received: Any = _UNTAKEN) -> None:
+    """Run B(stage, micro-batch) on ``worker``. ``received``: taken already by
+    :func:`receive_gradients` (a fused action takes both parts' before it starts)."""
     step, stage, mb = worker.state, action.stage, action.microbatch
     saved = step.saved[stage, mb]
-    has_loss = step.loss is not None and stage == worker._last
     routes = worker.routes
-    if has_loss:
-        grads = None
-    elif routes is None:
-        grads = worker.transport.recv((GRADIENT, stage, mb))
-    else:
-        messages = routes.receive_gradients(worker.transport, stage, mb)
+    if received is _UNTAKEN:
+        received = receive_gradients(worker, action)
+    grads, messages = received, None
+    if routes is not None and received is not None:
+        messages = received
         grads = [g for _, message in messages for g in message]
     start = worker._begin()
     recomputed = 0  # bytes the recomputation keeps beyond the stashed input
@@ -65,6 +78,7 @@ def backward(worker: StageWorker, action: Action) -> None:
         roots: list[tuple[Any, torch.Tensor | None]]
         roots = [] if weightless else [(saved.outputs, None)]
     elif routes is not None:
+        assert messages is not None  # received from the readers when not the loss's stage
         roots = routes.roots(saved.outputs, messages)
     else:
         roots = [

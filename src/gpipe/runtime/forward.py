@@ -19,19 +19,28 @@ from gpipe.structure import map_tensors
 if TYPE_CHECKING:
     from gpipe.runtime.worker import StageWorker
 
-__all__ = ["forward"]
+__all__ = ["forward", "receive_inputs"]
 
 
-def forward(worker: StageWorker, action: Action) -> None:
+def receive_inputs(worker: StageWorker, action: Action) -> Any:
+    """Wait for F(stage, micro-batch)'s input and take it."""
+    if worker.routes is None:
+        return worker.transport.recv((ACTIVATION, action.stage, action.microbatch))
+    return worker.routes.receive(worker.transport, action.stage, action.microbatch)
+
+
+_UNTAKEN: Any = object()
+
+
+def forward(worker: StageWorker, action: Action, inputs: Any = _UNTAKEN) -> None:
     """Run F(stage, micro-batch) on ``worker``: without autograd when the micro-batch is
     checkpointed (keeping only its input), on a copy of the input when the stage writes
-    into it (see :mod:`gpipe.runtime.input_writes`)."""
+    into it (see :mod:`gpipe.runtime.input_writes`). ``inputs``: taken already by
+    :func:`receive_inputs` (a fused action takes both parts' before it starts)."""
     step, stage, mb = worker.state, action.stage, action.microbatch
     routes = worker.routes
-    if routes is None:
-        inputs = worker.transport.recv((ACTIVATION, stage, mb))
-    else:
-        inputs = routes.receive(worker.transport, stage, mb)
+    if inputs is _UNTAKEN:
+        inputs = receive_inputs(worker, action)
     start = worker._begin()
     inputs = _as_leaves(inputs)
     key = (stage, worker.stages.module(stage).training)

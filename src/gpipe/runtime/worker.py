@@ -12,10 +12,10 @@ import torch
 
 from gpipe.analysis import Event
 from gpipe.randomness.streams import GeneratorStates
-from gpipe.runtime.backward import backward, weight
+from gpipe.runtime.backward import backward, receive_gradients, weight
 from gpipe.runtime.context import recomputation_autocast, worker_entered
 from gpipe.runtime.copies import GpuClock
-from gpipe.runtime.forward import forward
+from gpipe.runtime.forward import forward, receive_inputs
 from gpipe.runtime.saved import storage_keys
 from gpipe.runtime.stage_set import StageSet
 from gpipe.runtime.state import StepState
@@ -117,23 +117,29 @@ class StageWorker:
         NOTE: the side stream first waits for the current one, so a block the caching
         allocator hands out on it again is never one the current stream still reads.
         """
+        forward_part, backward_part, *weight_part = action.parts
+        # NOTE: both parts' inputs first: the pair starts once it all could, as simulated
+        inputs = receive_inputs(self, forward_part)
+        received = receive_gradients(self, backward_part)
         events, timed = len(self.events), len(self.state.timed)
         finished: Any = None
-        forward_part, *backward_parts = action.parts
         if self.torch_device.type == "cuda":
             current = torch.cuda.current_stream(self.torch_device)
             if self._side is None:
                 self._side = torch.cuda.Stream(self.torch_device)
             self._side.wait_stream(current)
             with torch.cuda.stream(self._side):
-                self._unit(forward_part)
-            for part in backward_parts:
-                self._unit(part)
+                forward(self, forward_part, inputs)
+            backward(self, backward_part, received)
+            for part in weight_part:
+                weight(self, part)
             current.wait_stream(self._side)
             finished = self._clock.mark() if self._clock is not None else None
         else:
-            for part in action.parts:
-                self._unit(part)
+            forward(self, forward_part, inputs)
+            backward(self, backward_part, received)
+            for part in weight_part:
+                weight(self, part)
         parts = self.events[events:]
         del self.events[events:]
         self.events.append(

@@ -112,7 +112,7 @@ class Lowered:
         return "\n".join(lines)
 
 
-def lower(schedule: Schedule, flow: Flow | None = None) -> Lowered:
+def lower(schedule: Schedule, flow: Flow | None = None, *, receives: str = "early") -> Lowered:
     """Each device's program: its actions, with every message posted in the step it is made.
 
     The devices run their lists in lock step (as :func:`~gpipe.schedule.run_in_steps`
@@ -128,13 +128,22 @@ def lower(schedule: Schedule, flow: Flow | None = None) -> Lowered:
     Args:
         schedule: a schedule that runs to its end (the validator checks that first).
         flow: for a dataflow, which stages pass values to which; None for a chain.
+        receives: "early" (the above), or "late": each message posted, at both ends, in the
+            step its reader runs, the receive right before the reader (how gpipe posted
+            before; kept so ``benchmarks/handoff.py`` can measure what posting early saves).
 
     Returns:
         Each device's program. Hand-offs between stages on one device are no operations.
+
+    Raises:
+        ValueError: ``receives`` other than "early" and "late".
     """
+    if receives not in ("early", "late"):
+        raise ValueError(f"receives must be 'early' or 'late', got {receives!r}")
+    late = receives == "late"
     steps = run_in_steps(schedule)
     devices = schedule.devices
-    done = [0] * devices  # actions each device has run, the current step's included
+    done = [0] * devices  # actions each device has run before the current step
     programs: list[list[Item]] = [[] for _ in range(devices)]
     for row in steps.rows:
         ops: list[list[Op]] = [[] for _ in range(devices)]
@@ -142,14 +151,25 @@ def lower(schedule: Schedule, flow: Flow | None = None) -> Lowered:
             if position is None:
                 continue
             for part in schedule.actions[device][position].units:
-                for peer, tag in _made(part, schedule, flow):
-                    ops[device].append(Op(SEND, peer, tag))
-                    ops[peer].append(Op(RECV, device, tag))
+                if late:  # what it reads, from the devices that made it earlier
+                    messages = [
+                        (peer, tag, peer, device) for peer, tag in _sources(part, schedule, flow)
+                    ]
+                else:  # what it made, for the devices that read it later
+                    messages = [
+                        (device, tag, device, peer) for peer, tag in _made(part, schedule, flow)
+                    ]
+                for _, tag, sender, reader in messages:
+                    ops[sender].append(Op(SEND, reader, tag))
+                    ops[reader].append(Op(RECV, sender, tag))
         for device, position in enumerate(row):
+            if late and ops[device]:
+                mine = sorted(ops[device], key=lambda op: op.direction != SEND)
+                programs[device].append(Batch(tuple(mine), done[device]))
             if position is not None:
                 programs[device].append(schedule.actions[device][position])
                 done[device] += 1
-            if ops[device]:
+            if not late and ops[device]:
                 # NOTE: sends first, as a device's sends of a step leave before it waits
                 mine = sorted(ops[device], key=lambda op: op.direction != SEND)
                 programs[device].append(Batch(tuple(mine), done[device]))
@@ -190,16 +210,21 @@ def _made(action: Action, schedule: Schedule, flow: Flow | None) -> list[tuple[i
     ]
 
 
-def _read(action: Action, schedule: Schedule, flow: Flow | None) -> list[Tag]:
-    """The tags of the messages ``action`` reads from other devices."""
+def _sources(action: Action, schedule: Schedule, flow: Flow | None) -> list[tuple[int, Tag]]:
+    """(maker's device, tag) of each message ``action`` reads from another device."""
     placement, device = schedule.placement, schedule.placement[action.stage]
     kind = ACTIVATION if action.kind == FORWARD else GRADIENT
     sources, _ = _edges(action, schedule, flow)
     return [
-        _tag(kind, action.stage, action.microbatch, s, flow)
+        (placement[s], _tag(kind, action.stage, action.microbatch, s, flow))
         for s in sources
         if placement[s] != device
     ]
+
+
+def _read(action: Action, schedule: Schedule, flow: Flow | None) -> list[Tag]:
+    """The tags of the messages ``action`` reads from other devices."""
+    return [tag for _, tag in _sources(action, schedule, flow)]
 
 
 class Stuck(NamedTuple):
