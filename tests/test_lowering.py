@@ -28,6 +28,23 @@ def test_one_f_one_b_on_two_devices_lowers_to_the_documented_program() -> None:
     ]
 
 
+def test_receives_posted_late_wait_for_the_step_their_reader_runs() -> None:
+    # How gpipe posted before (kept for benchmarks/handoff.py): each message at both ends in
+    # the step its reader runs, the send deferred until then too.
+    lowered = lower(make_schedule("1f1b", 2, 2), receives="late")
+    assert str(lowered).splitlines() == [
+        "device 0: 0F0 [send act 1:0 to 1] 0F1 [send act 1:1 to 1, recv grad 0:0 from 1] 0B0 "
+        "[recv grad 0:1 from 1] 0B1",
+        "device 1: [recv act 1:0 from 0] 1F0 1B0 [send grad 0:0 to 0, recv act 1:1 from 0] 1F1 "
+        "1B1 [send grad 0:1 to 0]",
+    ]
+    for name in ("interleaved", "zb-v", "dualpipev"):
+        schedule = make_schedule(name, 4, 8, virtual_stages=2)
+        assert replay(lower(schedule, receives="late")) is None
+    with pytest.raises(ValueError, match="receives must be 'early' or 'late', got 'soon'"):
+        lower(make_schedule("1f1b", 2, 2), receives="soon")
+
+
 def test_each_pair_posts_its_messages_in_the_same_order_at_both_ends() -> None:
     lowered = lower(make_schedule("interleaved", 4, 8, virtual_stages=2))
     for a in range(4):
