@@ -1,6 +1,7 @@
 """torch.distributed.pipelining on the same model, for comparison in the same run.
 
-One process per stage (gloo on 127.0.0.1, a port picked here), as that library requires.
+One process per device (gloo on 127.0.0.1, a port picked here), as that library requires,
+holding one stage, two in a V (zb-v, dualpipev), or v round-robin (the looped schedules).
 Every process is joined or killed before returning; a stuck run ends with an error.
 """
 
@@ -19,14 +20,22 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-# our schedule names -> torch.distributed.pipelining's schedule classes, where it has one
+# our schedule names -> torch.distributed.pipelining's schedule classes, where it has one:
+# one stage per rank, or (zb-v, dualpipev) two in a V, rank r holding stages r and 2K-1-r
 TORCH_SCHEDULES = {
     "gpipe": "ScheduleGPipe",
     "1f1b": "Schedule1F1B",
     "zb-v": "ScheduleZBVZeroBubble",
+    "dualpipev": "ScheduleDualPipeV",
 }
-# Stages each rank holds; zb-v's two sit in a V: rank r holds stages r and 2K-1-r.
-_STAGES_PER_RANK = {"zb-v": 2}
+# The looped ones: v stages per rank, round-robin (rank r holds r, r+K, ...); the caller
+# gives v (``virtual_stages``), so a caller that knows only K stages never runs them.
+TORCH_LOOPED_SCHEDULES = {
+    "interleaved": "ScheduleInterleaved1F1B",
+    "looped-bfs": "ScheduleLoopedBFS",
+    "interleaved-zb": "ScheduleInterleavedZeroBubble",
+}
+_V_SHAPED = {"zb-v", "dualpipev"}
 
 
 def torch_schedule(stages: Any, schedule: str, microbatches: int, loss_fn: Callable) -> Any:
@@ -34,7 +43,7 @@ def torch_schedule(stages: Any, schedule: str, microbatches: int, loss_fn: Calla
     ``stages`` (one PipelineStage, or a list of them)."""
     from torch.distributed import pipelining
 
-    kind = getattr(pipelining, TORCH_SCHEDULES[schedule])
+    kind = getattr(pipelining, {**TORCH_SCHEDULES, **TORCH_LOOPED_SCHEDULES}[schedule])
     return kind(stages, microbatches, loss_fn=loss_fn)
 
 
@@ -78,6 +87,7 @@ class _Job:
     factory: Callable[..., nn.Sequential]
     factory_args: tuple
     balance: list[int]
+    per_rank: int  # stages each rank holds
     schedule: str
     runs: tuple[tuple[int, tuple[torch.Tensor, torch.Tensor]], ...]  # (M, batch) each
     loss_fn: Callable
@@ -98,7 +108,7 @@ def _stage(rank: int, job: _Job, results: Any) -> None:
         torch.manual_seed(0)
         model = job.factory(*job.factory_args)
         count = len(job.balance)
-        held = [rank] if count == job.world else [rank, count - 1 - rank]
+        held = _held(rank, job.world, job.per_rank, job.schedule)
         submodules = []
         for index in held:
             start = sum(job.balance[:index])
@@ -134,6 +144,13 @@ def _stage(rank: int, job: _Job, results: Any) -> None:
         dist.destroy_process_group()
 
 
+def _held(rank: int, world: int, per_rank: int, schedule: str) -> list[int]:
+    """The stages ``rank`` holds: in a V for zb-v and dualpipev, else round-robin."""
+    if schedule in _V_SHAPED:
+        return [rank, 2 * world - 1 - rank]
+    return [rank + j * world for j in range(per_rank)]
+
+
 def step_times(
     factory: Callable[..., nn.Sequential],
     factory_args: tuple,
@@ -146,12 +163,15 @@ def step_times(
     steps: int = 5,
     timeout: float = 300.0,
     threads: int | None = None,
+    virtual_stages: int = 1,
 ) -> list[float]:
     """Per-step seconds of torch.distributed.pipelining running ``schedule`` on the model.
 
-    One process per device: one stage each, or for "zb-v" two (``balance`` then lists 2K
-    stages for K processes). Each process uses ``threads`` intra-op threads (default: this
-    process's count, so both sides compute alike).
+    One process per device: one stage each; two in a V for "zb-v" and "dualpipev"
+    (``balance`` then lists 2K stages for K processes); ``virtual_stages`` v round-robin for
+    the looped schedules of :data:`TORCH_LOOPED_SCHEDULES` (``balance`` lists K·v). Each
+    process uses ``threads`` intra-op threads (default: this process's count, so both sides
+    compute alike).
 
     Raises:
         RuntimeError: a stage process failed or the run did not finish within ``timeout``.
@@ -166,6 +186,7 @@ def step_times(
         steps=steps,
         timeout=timeout,
         threads=threads,
+        virtual_stages=virtual_stages,
     )
     return runs[microbatches]
 
@@ -181,6 +202,7 @@ def step_times_by_microbatches(
     steps: int = 5,
     timeout: float = 300.0,
     threads: int | None = None,
+    virtual_stages: int = 1,
 ) -> dict[int, list[float]]:
     """Per-step seconds for each micro-batch count M in ``batches`` (M -> (input, target)).
 
@@ -188,9 +210,13 @@ def step_times_by_microbatches(
     other, so starting the processes (seconds each) is paid once.
 
     Raises:
+        ValueError: a looped schedule with ``virtual_stages`` below 2.
         RuntimeError: a stage process failed or the run did not finish within ``timeout``.
     """
-    world = len(balance) // _STAGES_PER_RANK.get(schedule, 1)
+    per_rank = 2 if schedule in _V_SHAPED else virtual_stages
+    if schedule in TORCH_LOOPED_SCHEDULES and per_rank < 2:
+        raise ValueError(f"{schedule!r} runs v >= 2 stages per rank: pass virtual_stages")
+    world = len(balance) // per_rank
     threads = threads or torch.get_num_threads()
     context = mp.get_context("spawn")
     results = context.SimpleQueue()
@@ -200,6 +226,7 @@ def step_times_by_microbatches(
         factory,
         factory_args,
         balance,
+        per_rank,
         schedule,
         tuple(batches.items()),
         loss_fn,
