@@ -99,7 +99,7 @@ def test_the_schedule_table_sets_every_schedule_beside_its_formulas(
     assert rows["gpipe"] == ["0.273", "0.273", "8", "8"]
     assert rows["zb-v (v=2)"] == ["0.059", "0.059", "8", "8"]
     assert rows["v-min (v=2)"] == ["0.186", "0.186", "4", "4"]
-    assert rows["dualpipev (v=2)"] == ["0.111", "-", "9", "9"]  # 2K+1; no bubble formula
+    assert rows["dualpipev (v=2)"] == ["0.111", "0.111", "9", "9"]  # (K-1)/(3M+K-1), 2K+1
     shown = {row.split(" (v=")[0] for row in rows} - {"schedule", "---"}  # less the header
     assert shown == set(names)
 
