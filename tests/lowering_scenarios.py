@@ -93,7 +93,7 @@ def large(schedule: str, poster: str, mib: int) -> list[float]:
     return worst
 
 
-def naive(schedule: Schedule, flow: Any = None) -> Lowered:
+def naive(schedule: Schedule, flow: Any = None, receives: str = "early") -> Lowered:
     """Each action's receives right before it and its sends right after, one batch each:
     how a transport unaware of NCCL's streams would post (hangs interleaved GPipe)."""
     full = lower(schedule, flow)

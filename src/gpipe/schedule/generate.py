@@ -14,7 +14,7 @@ from gpipe.schedule.action import BACKWARD, FORWARD, Action
 from gpipe.schedule.placement import round_robin
 from gpipe.schedule.schedule import Schedule
 
-__all__ = ["gpipe", "interleaved", "one_f_one_b", "round_sizes"]
+__all__ = ["gpipe", "interleaved", "looped_order", "one_f_one_b", "round_sizes"]
 
 
 def _check(stages: int, microbatches: int) -> None:
@@ -85,6 +85,22 @@ def round_sizes(devices: int, microbatches: int) -> list[int]:
     rounds = max(1, microbatches // devices)
     size, extra = divmod(microbatches, rounds)
     return [size + 1] * extra + [size] * (rounds - extra)
+
+
+def looped_order(
+    devices: int, v: int, sizes: Sequence[int], device: int
+) -> tuple[list[Action], list[Action]]:
+    """Device ``device``'s forwards and backwards in the looped schedules' order: round by
+    round (``sizes`` micro-batches each), a round's forwards on its first stage, then its
+    second, and so on; the backwards of each round in the opposite stage order."""
+    order: list[tuple[int, int]] = []  # (chunk, micro-batch)
+    first = 0
+    for size in sizes:
+        order += [(chunk, i) for chunk in range(v) for i in range(first, first + size)]
+        first += size
+    forwards = [Action(FORWARD, chunk * devices + device, i) for chunk, i in order]
+    backwards = [Action(BACKWARD, (v - 1 - chunk) * devices + device, i) for chunk, i in order]
+    return forwards, backwards
 
 
 def _one_f_one_b_order(
@@ -167,21 +183,14 @@ def interleaved(stages: int, microbatches: int, *, virtual_stages: int = 2) -> S
         raise ValueError(f"virtual_stages must be >= 1, got {virtual_stages}")
     devices, v = stages, virtual_stages
     sizes = round_sizes(devices, microbatches)
-    # One device's forward order as (chunk, micro-batch): group by group, chunk by chunk.
-    order: list[tuple[int, int]] = []
-    first = 0
-    for size in sizes:
-        order += [(chunk, i) for chunk in range(v) for i in range(first, first + size)]
-        first += size
     actions = []
     for d in range(devices):
-        forwards = [Action(FORWARD, chunk * devices + d, i) for chunk, i in order]
-        backwards = [Action(BACKWARD, (v - 1 - chunk) * devices + d, i) for chunk, i in order]
+        forwards, backwards = looped_order(devices, v, sizes, d)
         # NOTE: with v > 1, twice K-d-1 because the first backward has to come back from
         # the last device, plus (v-1)·G so the first round is in flight on every chunk but
         # the last; fewer and a device waits on a forward while holding a needed backward.
         warmup = devices - d - 1 if v == 1 else 2 * (devices - d - 1) + (v - 1) * sizes[0]
-        actions.append(_one_f_one_b_order(forwards, backwards, min(warmup, len(order))))
+        actions.append(_one_f_one_b_order(forwards, backwards, min(warmup, len(forwards))))
     return Schedule("interleaved", actions, microbatches, devices * v)
 
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 import dataclasses
 from collections import deque
 
-from gpipe.schedule.action import BACKWARD, FORWARD, WEIGHT, Action
-from gpipe.schedule.generate import _check, gpipe, round_sizes
+from gpipe.schedule.action import WEIGHT, Action
+from gpipe.schedule.generate import _check, gpipe, looped_order, round_sizes
 from gpipe.schedule.schedule import Schedule
 
 __all__ = ["interleaved_zb", "looped_bfs"]
@@ -68,16 +68,10 @@ def interleaved_zb(stages: int, microbatches: int, *, virtual_stages: int = 2) -
         )
     devices, v = stages, virtual_stages
     sizes = round_sizes(devices, microbatches)
-    order: list[tuple[int, int]] = []  # one device's forwards as (chunk, micro-batch)
-    first = 0
-    for size in sizes:
-        order += [(chunk, i) for chunk in range(v) for i in range(first, first + size)]
-        first += size
     actions = []
     for d in range(devices):
-        forwards = [Action(FORWARD, chunk * devices + d, i) for chunk, i in order]
-        backwards = [Action(BACKWARD, (v - 1 - chunk) * devices + d, i) for chunk, i in order]
-        warmup = min((v - 1) * sizes[0] + devices - 1 - d, len(order))
+        forwards, backwards = looped_order(devices, v, sizes, d)
+        warmup = min((v - 1) * sizes[0] + devices - 1 - d, len(forwards))
         mine = forwards[:warmup]
         due: deque[Action] = deque()  # B's whose W has not run
         for j, backward in enumerate(backwards):
