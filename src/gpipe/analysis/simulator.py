@@ -158,7 +158,7 @@ def _simulate(schedule: Schedule, costs: Costs, skips: Sequence[Skip]) -> Timeli
         for s in range(stages)
     ]
     count, size = len(kind), stages * microbatches
-    expected = 3 * size if split else 2 * size
+    expected = size if schedule.wrap else 3 * size if split else 2 * size  # a decode: F's
     if count != expected or (
         count and (int(stage.max()) >= stages or int(mb.max()) >= microbatches)
     ):
@@ -168,6 +168,8 @@ def _simulate(schedule: Schedule, costs: Costs, skips: Sequence[Skip]) -> Timeli
     if (place[stage] != columns.device).any() or (np.bincount(key, minlength=3 * size) > 1).any():
         raise _invalid(schedule)
     waits = _waits(kind, stage, mb, stages, microbatches, edge, skips, placement, costs)
+    if schedule.wrap:
+        _wrap_around(waits, kind, stage, mb, stages, microbatches, schedule.wrap, placement, costs)
     duration = np.array([forward, backward, weight], np.float64)[kind, stage]
     groups = _groups(columns)
     for first, count_parts in groups:
@@ -211,6 +213,7 @@ class _Waits:
     sender: dict[int, np.ndarray]
     nbytes: dict[int, np.ndarray]
     none: int
+    wrapped: np.ndarray  # per action: a decode's F on stage 0 waiting for its lane's token
 
 
 def _waits(
@@ -264,7 +267,30 @@ def _waits(
             more = extra[column]
             assert more is not None
             more[at], sender[column][at], nbytes[column][at] = cost, other, count_bytes
-    return _Waits(key, extra, sender, nbytes, none)
+    return _Waits(key, extra, sender, nbytes, none, np.zeros(len(kind), bool))
+
+
+def _wrap_around(
+    waits: _Waits,
+    kind: np.ndarray,
+    stage: np.ndarray,
+    mb: np.ndarray,
+    stages: int,
+    microbatches: int,
+    wrap: int,
+    placement: tuple[int, ...],
+    costs: Costs,
+) -> None:
+    """A decode's F on stage 0 waits for the last stage's F of its lane's previous token
+    (micro-batch ``i - wrap``), plus a message's fixed cost when they are on different
+    devices (a token is a few bytes)."""
+    rows = (kind == KINDS.index(FORWARD)) & (stage == 0) & (mb >= wrap)
+    waits.key[0][rows] = (stages - 1) * microbatches + mb[rows] - wrap
+    cost = costs.transfer + costs.latency if placement[-1] != placement[0] else 0.0
+    extra = waits.extra[0]
+    assert extra is not None
+    extra[rows] = cost
+    waits.wrapped[rows] = True
 
 
 def _messages(
@@ -285,6 +311,9 @@ def _messages(
         if column == 0:
             sender = stage + np.where(columns.kind[row] == KINDS.index(FORWARD), -1, 1)
             carried = np.array(sizes)[np.minimum(stage, sender)]
+            token = waits.wrapped[row]  # a decode's token, from the last stage
+            sender = np.where(token, len(placement) - 1, sender)
+            carried = np.where(token, 0, carried)
         else:
             sender, carried = waits.sender[column][row], waits.nbytes[column][row]
         rows.append(row)

@@ -12,6 +12,7 @@ from gpipe.schedule.action import (
 )
 from gpipe.schedule.communication import Message, communication
 from gpipe.schedule.controllable import v_half, v_min
+from gpipe.schedule.decode import decode
 from gpipe.schedule.dualpipe import dualpipev
 from gpipe.schedule.generate import gpipe, interleaved, one_f_one_b
 from gpipe.schedule.greedy import greedy
@@ -47,6 +48,7 @@ __all__ = [
     "check_schedule_type",
     "check_virtual_stages",
     "communication",
+    "decode",
     "default_virtual_stages",
     "dependencies",
     "dualpipev",

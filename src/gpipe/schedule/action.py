@@ -122,27 +122,34 @@ def units(actions: Iterable[Action]) -> list[Action]:
     return [unit for action in actions for unit in action.units]
 
 
-def dependencies(action: Action, stages: int) -> tuple[Action, ...]:
+def dependencies(action: Action, stages: int, wrap: int = 0) -> tuple[Action, ...]:
     """The actions that must finish before ``action`` can start.
 
     F(s, i) needs F(s-1, i); B(s, i) needs F(s, i) and B(s+1, i), except on the last stage,
     which computes the loss and so needs only its own forward; W(s, i) needs B(s, i). A
     fused action needs what its parts need, but for each other: it starts once every
-    part could.
+    part could. In a decode (``wrap`` > 0, see :func:`gpipe.schedule.decode`), micro-batch
+    ``i`` is token ``i // wrap`` of lane ``i % wrap``, and its F on stage 0 needs the last
+    stage's F of micro-batch ``i - wrap``: the token that one sampled.
 
     Args:
         action: the action to start.
         stages: the number of model stages (K·v), so the last stage is ``stages - 1``.
+        wrap: a decode's lanes; 0 for training.
 
     Returns:
         The prerequisite actions, at most two.
     """
     if action.parts:
-        needed = [dep for part in action.parts for dep in dependencies(part, stages)]
+        needed = [dep for part in action.parts for dep in dependencies(part, stages, wrap)]
         return tuple(dict.fromkeys(dep for dep in needed if dep not in action.parts))
     kind, stage, microbatch = action.kind, action.stage, action.microbatch
     if kind == FORWARD:
-        return (Action(FORWARD, stage - 1, microbatch),) if stage > 0 else ()
+        if stage > 0:
+            return (Action(FORWARD, stage - 1, microbatch),)
+        if wrap and microbatch >= wrap:
+            return (Action(FORWARD, stages - 1, microbatch - wrap),)
+        return ()
     if kind == BACKWARD:
         own = Action(FORWARD, stage, microbatch)
         if stage + 1 < stages:

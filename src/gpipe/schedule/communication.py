@@ -112,6 +112,11 @@ def _received(action: Action, device: int, schedule: Schedule) -> tuple[int, Tag
         return placement[stage - 1], (ACTIVATION, stage, action.microbatch)
     if action.kind == BACKWARD and stage + 1 < schedule.stages and placement[stage + 1] != device:
         return placement[stage + 1], (GRADIENT, stage, action.microbatch)
+    # a decode: stage 0 takes the token the last stage sampled for its lane
+    wrap, last = schedule.wrap, schedule.stages - 1
+    wrapped = action.kind == FORWARD and stage == 0 and wrap and action.microbatch >= wrap
+    if wrapped and placement[last] != device:
+        return placement[last], (ACTIVATION, 0, action.microbatch)
     return None
 
 
@@ -122,6 +127,10 @@ def _sent(action: Action, device: int, schedule: Schedule) -> tuple[int, Tag] | 
         return placement[stage + 1], (ACTIVATION, stage + 1, action.microbatch)
     if action.kind == BACKWARD and stage > 0 and placement[stage - 1] != device:
         return placement[stage - 1], (GRADIENT, stage - 1, action.microbatch)
+    wrap, last = schedule.wrap, schedule.stages - 1
+    wrapped = action.kind == FORWARD and stage == last and wrap
+    if wrapped and action.microbatch + wrap < schedule.microbatches and placement[0] != device:
+        return placement[0], (ACTIVATION, 0, action.microbatch + wrap)
     return None
 
 
@@ -165,7 +174,9 @@ def in_pair_order(schedule: Schedule) -> Schedule:
     while any(queues):
         step: list[tuple[int, Action]] = []
         for device, queue in enumerate(queues):
-            if not queue or not all(d in done for d in dependencies(queue[0], schedule.stages)):
+            if not queue or not all(
+                d in done for d in dependencies(queue[0], schedule.stages, schedule.wrap)
+            ):
                 continue
             action = queue[0]
             taken = _received(action, device, schedule)
@@ -177,7 +188,7 @@ def in_pair_order(schedule: Schedule) -> Schedule:
                     kind, stage, microbatch = waiting[0]
                     first = Action(FORWARD if kind == ACTIVATION else BACKWARD, stage, microbatch)
                     if first not in queue or not all(
-                        d in done for d in dependencies(first, schedule.stages)
+                        d in done for d in dependencies(first, schedule.stages, schedule.wrap)
                     ):
                         continue
                     queue.remove(first)

@@ -203,11 +203,17 @@ def _made(action: Action, schedule: Schedule, flow: Flow | None) -> list[tuple[i
     placement, device = schedule.placement, schedule.placement[action.stage]
     kind = ACTIVATION if action.kind == FORWARD else GRADIENT
     _, readers = _edges(action, schedule, flow)
-    return [
+    made = [
         (placement[s], _tag(kind, s, action.microbatch, action.stage, flow))
         for s in readers
         if placement[s] != device
     ]
+    # a decode: the token this lane sampled, for its next forward on stage 0
+    wrap, last, i = schedule.wrap, schedule.stages - 1, action.microbatch
+    wrapped = wrap and kind == ACTIVATION and action.stage == last
+    if wrapped and i + wrap < schedule.microbatches and placement[0] != device:
+        made.append((placement[0], _tag(ACTIVATION, 0, i + wrap, last, flow)))
+    return made
 
 
 def _sources(action: Action, schedule: Schedule, flow: Flow | None) -> list[tuple[int, Tag]]:
@@ -215,11 +221,17 @@ def _sources(action: Action, schedule: Schedule, flow: Flow | None) -> list[tupl
     placement, device = schedule.placement, schedule.placement[action.stage]
     kind = ACTIVATION if action.kind == FORWARD else GRADIENT
     sources, _ = _edges(action, schedule, flow)
-    return [
+    read = [
         (placement[s], _tag(kind, action.stage, action.microbatch, s, flow))
         for s in sources
         if placement[s] != device
     ]
+    # a decode: the token its lane sampled last
+    wrap, last, i = schedule.wrap, schedule.stages - 1, action.microbatch
+    wrapped = wrap and kind == ACTIVATION and action.stage == 0 and i >= wrap
+    if wrapped and placement[last] != device:
+        read.append((placement[last], _tag(ACTIVATION, 0, i, last, flow)))
+    return read
 
 
 def _read(action: Action, schedule: Schedule, flow: Flow | None) -> list[Tag]:

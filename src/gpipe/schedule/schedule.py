@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
-from gpipe.schedule.action import WEIGHT, Action, units
+from gpipe.schedule.action import FORWARD, WEIGHT, Action, units
 from gpipe.schedule.grid import format_grid
 from gpipe.schedule.placement import round_robin
 from gpipe.schedule.text import parse_csv, to_csv
@@ -29,6 +29,9 @@ class Schedule:
         stages: the number of model stages (K·v with v virtual stages per device).
         placement: ``placement[s]`` is the device holding stage ``s``; by default stage
             ``s`` lives on device ``s % devices`` (Megatron's interleaved layout).
+        wrap: for a decode (:func:`gpipe.schedule.decode`), its lanes: micro-batch ``i``'s
+            forward on stage 0 waits for the last stage's forward of ``i - wrap``; 0 (the
+            default) for training.
     """
 
     name: str
@@ -36,6 +39,7 @@ class Schedule:
     microbatches: int
     stages: int = -1
     placement: tuple[int, ...] = field(default=())
+    wrap: int = 0
 
     def __post_init__(self) -> None:
         actions = tuple(tuple(device_actions) for device_actions in self.actions)
@@ -48,6 +52,8 @@ class Schedule:
             raise ValueError(
                 f"placement lists {len(self.placement)} stages but the schedule has {self.stages}"
             )
+        if self.wrap < 0:
+            raise ValueError(f"wrap must be >= 0 (a decode's lanes), got {self.wrap}")
 
     @property
     def devices(self) -> int:
@@ -63,6 +69,11 @@ class Schedule:
     def split_backward(self) -> bool:
         """Whether weight gradients run as separate W actions (zero-bubble)."""
         return any(unit.kind == WEIGHT for device in self.actions for unit in units(device))
+
+    @property
+    def forward_only(self) -> bool:
+        """Whether the schedule runs forwards alone (an evaluation, a decode)."""
+        return all(unit.kind == FORWARD for device in self.actions for unit in units(device))
 
     @property
     def fused(self) -> bool:
@@ -94,7 +105,9 @@ class Schedule:
     def from_csv(cls, text: str, name: str | None = None) -> Schedule:
         """Read a schedule from CSV text (see :func:`gpipe.schedule.from_csv`)."""
         rows, meta = parse_csv(text)
-        return cls(name or meta.name, rows, meta.microbatches, meta.stages, meta.placement)
+        return cls(
+            name or meta.name, rows, meta.microbatches, meta.stages, meta.placement, meta.wrap
+        )
 
     def validate(self) -> None:
         """Raise :class:`~gpipe.schedule.ScheduleError` unless the schedule can run.
@@ -112,6 +125,7 @@ class Schedule:
             self.microbatches,
             self.stages,
             self.placement,
+            self.wrap,
         )
 
 

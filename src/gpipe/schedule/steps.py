@@ -47,10 +47,12 @@ def run_in_steps(schedule: Schedule) -> Steps:
     Returns:
         The steps taken and where each device stopped.
     """
-    return _lock_step(schedule.actions, schedule.stages, set())
+    return _lock_step(schedule.actions, schedule.stages, set(), schedule.wrap)
 
 
-def in_one_order(actions: Sequence[Sequence[Action]], stages: int) -> list[tuple[int, Action]]:
+def in_one_order(
+    actions: Sequence[Sequence[Action]], stages: int, wrap: int = 0
+) -> list[tuple[int, Action]]:
     """Every device's actions in one order, for one thread that runs them all.
 
     The order is the lock-step one (:func:`run_in_steps`), step by step and, within a step,
@@ -62,6 +64,7 @@ def in_one_order(actions: Sequence[Sequence[Action]], stages: int) -> list[tuple
     Args:
         actions: ``actions[d]`` is device ``d``'s list, in the order it runs them.
         stages: the number of model stages (K·v).
+        wrap: a decode's lanes (see :func:`~gpipe.schedule.dependencies`); 0 for training.
 
     Returns:
         ``(device, action)`` pairs, every action once.
@@ -72,9 +75,9 @@ def in_one_order(actions: Sequence[Sequence[Action]], stages: int) -> list[tuple
     """
     listed = {unit for device in actions for unit in units(device)}
     elsewhere = {
-        dep for action in listed for dep in dependencies(action, stages) if dep not in listed
+        dep for action in listed for dep in dependencies(action, stages, wrap) if dep not in listed
     }
-    steps = _lock_step(actions, stages, elsewhere)
+    steps = _lock_step(actions, stages, elsewhere, wrap)
     stuck = [str(acts[at]) for acts, at in zip(actions, steps.next) if at < len(acts)]
     if stuck:
         raise ValueError(
@@ -89,7 +92,9 @@ def in_one_order(actions: Sequence[Sequence[Action]], stages: int) -> list[tuple
     ]
 
 
-def _lock_step(actions: Sequence[Sequence[Action]], stages: int, done: set[Action]) -> Steps:
+def _lock_step(
+    actions: Sequence[Sequence[Action]], stages: int, done: set[Action], wrap: int = 0
+) -> Steps:
     """Lock-step execution of ``actions``, counting the actions in ``done`` as finished."""
     done = set(done)
     position = [0] * len(actions)
@@ -102,7 +107,7 @@ def _lock_step(actions: Sequence[Sequence[Action]], stages: int, done: set[Actio
             if at == len(listed):
                 continue
             action = listed[at]
-            if all(dep in done for dep in dependencies(action, stages)):
+            if all(dep in done for dep in dependencies(action, stages, wrap)):
                 row[device] = at
                 ran.append(action)
                 position[device] = at + 1

@@ -4,9 +4,10 @@ The CSV form has one row per device, holding that device's actions in order as c
 action texts (``2F0`` = stage 2, forward, micro-batch 0). Empty cells are ignored, so rows
 of different lengths may be padded. Lines starting with ``#`` carry what the rows cannot:
 ``# name: 1f1b``, ``# microbatches: 4``, ``# stages: 8`` and ``# placement: 0 1 2 3 0 1 2 3``
-(the device of each model stage). Every one of them is optional: without it, the name is
-``"csv"`` (or the ``name`` argument), micro-batches and stages are one more than the largest
-seen, and each stage lives on the device whose row runs it::
+(the device of each model stage), and for a decode ``# wrap: 4`` (its lanes). Every one of
+them is optional: without it, the name is ``"csv"`` (or the ``name`` argument),
+micro-batches and stages are one more than the largest seen, each stage lives on the
+device whose row runs it, and wrap is 0::
 
     # name: 1f1b
     # microbatches: 2
@@ -44,6 +45,8 @@ def to_csv(schedule: Schedule) -> str:
         f"# stages: {schedule.stages}",
         f"# placement: {' '.join(str(d) for d in schedule.placement)}",
     ]
+    if schedule.wrap:
+        lines.append(f"# wrap: {schedule.wrap}")
     lines += [",".join(str(a) for a in actions) for actions in schedule.actions]
     return "\n".join(lines) + "\n"
 
@@ -56,6 +59,7 @@ class CsvMeta:
     microbatches: int
     stages: int
     placement: tuple[int, ...]
+    wrap: int = 0
 
 
 def parse_csv(text: str) -> tuple[list[list[Action]], CsvMeta]:
@@ -88,7 +92,8 @@ def parse_csv(text: str) -> tuple[list[list[Action]], CsvMeta]:
         placement = tuple(int(d) for d in meta["placement"].split())
     else:
         placement = _infer_placement(rows, stages)
-    return rows, CsvMeta(meta.get("name", "csv"), microbatches, stages, placement)
+    wrap = int(meta.get("wrap", 0))
+    return rows, CsvMeta(meta.get("name", "csv"), microbatches, stages, placement, wrap)
 
 
 def _infer_placement(rows: list[list[Action]], stages: int) -> tuple[int, ...]:

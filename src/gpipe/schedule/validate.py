@@ -29,7 +29,8 @@ def validate(schedule: Schedule) -> None:
     1. every action's stage and micro-batch are in range, and its device holds its stage
        (``schedule.placement``);
     2. every (kind, stage, micro-batch) appears exactly once, where the kinds are F and B,
-       plus W if the schedule has any W (then every B must have its W);
+       plus W if the schedule has any W (then every B must have its W), or F alone in a
+       decode (``wrap`` > 0, :func:`~gpipe.schedule.decode`);
     3. no deadlock: running each device's list in order, a device moving on only when its
        next action's dependencies have finished, every device reaches its end. Sends are
        taken not to block: the in-process transport queues them, and the distributed one
@@ -107,7 +108,10 @@ def _out_of_range(schedule: Schedule, device: int, action: Action) -> str | None
 
 
 def _check_coverage(schedule: Schedule) -> tuple[Cells, list[str]]:
-    kinds = KINDS if schedule.split_backward else (FORWARD, BACKWARD)
+    if schedule.wrap:  # a decode: forwards alone
+        kinds: tuple[str, ...] = (FORWARD,)
+    else:
+        kinds = KINDS if schedule.split_backward else (FORWARD, BACKWARD)
     first: dict[Action, int] = {}
     marks: Cells = []
     problems: list[str] = []
@@ -165,7 +169,7 @@ def _wait_chain(
         action = schedule.actions[device][next_position[device]]
         waited = [
             dep
-            for dep in dependencies(action, schedule.stages)
+            for dep in dependencies(action, schedule.stages, schedule.wrap)
             if where[dep][1] >= next_position[where[dep][0]]
         ]
         dep = waited[0]
