@@ -27,6 +27,7 @@ LAYERS = [
         "arguments",
         "loss",
         "tied",
+        "generation",
     ),
     ("runtime",),
     ("balance", "models", "skip", "split"),
