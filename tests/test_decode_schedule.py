@@ -104,3 +104,13 @@ def test_bad_decode_arguments_name_the_value() -> None:
         decode(2, 1, 1, virtual_stages=2, placement=(0, 0, 0, 1))
     with pytest.raises(ValueError, match="wrap must be >= 0"):
         Schedule("hand", [[Action.parse("0F0")]], 1, wrap=-1)
+
+
+def test_a_pipe_refuses_a_decode_schedule_for_training() -> None:
+    from torch import nn
+
+    from gpipe import GPipe
+
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    with pytest.raises(ValueError, match=r"is a decode \(wrap=2\).*training schedule"):
+        GPipe(model, [1, 1], devices=["cpu"] * 2, chunks=4, schedule=decode(2, 2, 2))

@@ -165,6 +165,11 @@ def schedule_for(
         ScheduleError: a schedule that cannot run (see :func:`validate`).
     """
     if isinstance(given, Schedule):
+        if given.wrap:
+            raise ValueError(
+                f"schedule {given.name!r} is a decode (wrap={given.wrap}): it generates, "
+                "forwards only; pass a training schedule such as '1f1b'"
+            )
         if microbatches != given.microbatches:
             raise ValueError(
                 f"the schedule {given.name!r} was built for {given.microbatches} "
