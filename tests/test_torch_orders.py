@@ -8,10 +8,15 @@ generator's schedule must be as short and hold as little, simulated under the sa
 
 from __future__ import annotations
 
+import copy
 import functools
 
 import pytest
+import torch as pt
+from torch import nn
+from torch.nn import functional as F
 
+from gpipe import GPipe
 from gpipe.analysis import Costs, Timeline, simulate
 from gpipe.schedule import SCHEDULES, Schedule, dualpipev, make_schedule, validate
 from gpipe.schedule.lowering import lower, replay
@@ -177,3 +182,47 @@ def test_dualpipev_docstring_figures():
     for fused, beats in [(0.88, True), (0.89, False)]:
         costs = Costs(forward=1, backward=2, weight=1, fused=fused)
         assert (simulate(dualpipev(4, 8), costs).makespan < 70) is beats
+
+
+@pytest.mark.parametrize(("k", "m"), [(2, 3), (2, 8), (4, 7), (4, 8), (8, 16)])
+def test_zb_v_is_torchs_order_action_for_action_from_2k_minus_1_microbatches(k, m):
+    torch = theirs("zb-v", k, m)
+    mine = ours("zb-v", k, m)
+    assert (mine.actions, mine.placement) == (torch.actions, torch.placement)
+
+
+@pytest.mark.parametrize(
+    ("name", "k", "m"),
+    [
+        ("interleaved", 2, 4),
+        ("looped-bfs", 2, 4),
+        ("interleaved-zb", 2, 4),
+        ("zb-v", 4, 8),  # its pairs of devices take messages out of send order
+        ("dualpipev", 4, 8),  # and so does this one
+    ],
+)
+def test_torchs_own_order_trains_like_plain_pytorch_in_our_runtime(name, k, m):
+    # torch's order, converted and run as it is by the local runtime, every checkpoint
+    # mode: loss and every gradient equal plain training's (float64)
+    schedule = theirs(name, k, m)
+    pt.manual_seed(0)
+    plain = nn.Sequential(*[nn.Linear(6, 6, dtype=pt.float64) for _ in range(2 * k)])
+    x, y = pt.randn(2 * m, 6, dtype=pt.float64), pt.randn(2 * m, 6, dtype=pt.float64)
+    expected = F.mse_loss(plain(x), y)
+    expected.backward()
+    for checkpoint in ("always", "except_last", "never"):
+        model = copy.deepcopy(plain)
+        model.zero_grad(set_to_none=True)
+        pipe = GPipe(
+            model,
+            [1] * (2 * k),
+            devices=["cpu"] * k,
+            chunks=m,
+            checkpoint=checkpoint,
+            schedule=schedule,
+            virtual_stages=2,
+        )
+        loss = pipe.train_step(x, y, F.mse_loss)
+        assert (loss - expected).abs() < 1e-12, (name, checkpoint)
+        for got, want in zip(model.parameters(), plain.parameters()):
+            assert (got.grad - want.grad).abs().max() < 1e-12, (name, checkpoint)
