@@ -226,3 +226,11 @@ def test_torchs_own_order_trains_like_plain_pytorch_in_our_runtime(name, k, m):
         assert (loss - expected).abs() < 1e-12, (name, checkpoint)
         for got, want in zip(model.parameters(), plain.parameters()):
             assert (got.grad - want.grad).abs().max() < 1e-12, (name, checkpoint)
+
+
+@pytest.mark.parametrize("name", ["interleaved", "looped-bfs", "interleaved-zb"])
+@pytest.mark.parametrize(("k", "m"), [(2, 4), (4, 8), (4, 10), (8, 16)])
+def test_the_looped_schedules_are_torchs_orders_action_for_action(name, k, m):
+    torch = theirs(name, k, m)
+    mine = ours(name, k, m)
+    assert (mine.actions, mine.placement) == (torch.actions, torch.placement)
