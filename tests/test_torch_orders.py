@@ -18,7 +18,7 @@ from torch.nn import functional as F
 
 from gpipe import GPipe
 from gpipe.analysis import Costs, Timeline, simulate
-from gpipe.schedule import SCHEDULES, Schedule, dualpipev, make_schedule, validate
+from gpipe.schedule import Schedule, dualpipev, make_schedule, validate
 from gpipe.schedule.lowering import lower, replay
 from torch_orders import TORCH_CLASSES, torch_schedule
 
@@ -33,7 +33,13 @@ COSTS = {
 # M = K, 2K, 4K, and M = 2.5K, which K does not divide (torch's interleaved schedules
 # need M to split into M // K rounds of equal size).
 SHAPES = [(k, m) for k in (2, 4, 8) for m in (k, 2 * k, 4 * k)] + [(4, 10), (8, 20)]
-CASES = [(name, k, m) for name in TORCH_CLASSES for k, m in SHAPES]
+# DualPipeV needs M >= 2K, in torch and here (test_dualpipev_needs_2k_microbatches_like_torch)
+CASES = [
+    (name, k, m)
+    for name in TORCH_CLASSES
+    for k, m in SHAPES
+    if not (name == "dualpipev" and m < 2 * k)
+]
 TOLERANCE = 1e-9  # relative
 
 
@@ -47,16 +53,11 @@ def _comparisons() -> list:
 
 @functools.cache
 def theirs(name: str, k: int, m: int) -> Schedule:
-    try:
-        return torch_schedule(name, k, m)
-    except ValueError as refused:
-        pytest.skip(f"torch refuses {name} with K={k}, M={m}: {refused}")
+    return torch_schedule(name, k, m)
 
 
 @functools.cache
 def ours(name: str, k: int, m: int) -> Schedule:
-    if name not in SCHEDULES:
-        pytest.skip(f"no generator named {name!r} yet; torch's order still validates")
     return make_schedule(name, k, m, virtual_stages=2)
 
 
