@@ -29,7 +29,7 @@ def predict(
 
     Each stage's F, B and W cost is the median of its measured durations; a fused action
     (a forward and a backward issued together) takes the median share of its parts' sum
-    that the measured ones took (:func:`~gpipe.analysis.simulator.costs_from_timeline`).
+    that the measured ones took (:func:`~gpipe.analysis.costs.costs_from_timeline`).
     Each action keeps the bytes the step counted for it and left held: the count follows
     the action order and the sizes, never the timing (see :mod:`gpipe.analysis.memory`),
     so it is the same.

@@ -2,69 +2,19 @@
 
 from __future__ import annotations
 
-import math
-import statistics
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from gpipe.analysis.columns import ActionColumns, SimulatedColumns, TransferColumns
+from gpipe.analysis.costs import Costs, PerStage, Skip, costs_from_timeline, skips_from_timeline
 from gpipe.analysis.memory import memory_columns
 from gpipe.analysis.timeline import Timeline
-from gpipe.schedule import BACKWARD, FORWARD, KINDS, WEIGHT, Schedule, ScheduleError, validate
+from gpipe.analysis.waits import Waits, action_waits, fused_groups, merge_fused_waits, wrap_around
+from gpipe.schedule import FORWARD, KINDS, Schedule, ScheduleError, validate
 
 __all__ = ["Costs", "costs_from_timeline", "simulate", "skips_from_timeline"]
-
-PerStage = float | Sequence[float]
-
-
-@dataclass(frozen=True)
-class Costs:
-    """What each action costs, per model stage, in any one unit of time (or bytes).
-
-    Args:
-        forward: time of one micro-batch's forward on a stage; one number for every
-            stage, or a list with one number per model stage.
-        backward: time of its backward (the input gradient, in a schedule with W actions).
-        weight: time of its weight gradient. A schedule without W actions runs it inside
-            B, so there B takes ``backward + weight``.
-        transfer: time to move one activation or gradient between two different devices;
-            a hand-off between stages on the same device is free.
-        latency: time per message between devices, added to ``transfer``.
-        bandwidth: bytes per unit of time between devices (inf: free). A message between
-            stages ``s`` and ``s+1`` on different devices takes ``transfer + latency +
-            gradient_bytes[s+1] / bandwidth``: stage ``s+1``'s input going forward, or its
-            gradient, of the same size, coming back.
-        activation_bytes: what one micro-batch's forward on a stage keeps for its backward.
-        gradient_bytes: the gradient of a stage's input, which its backward sends back and
-            the previous stage's backward receives; both hold it while they run.
-        deferred_bytes: what a backward keeps for its W (schedules with W actions): the
-            gradients at the parameter forks. See :mod:`gpipe.analysis.memory`.
-        fused: what a fused action (a forward and a backward issued together, DualPipeV)
-            takes, as a fraction of its parts run one after another: 1.0 when they do not
-            overlap at all (one device's CPU), less where the hardware overlaps them.
-    """
-
-    forward: PerStage = 1.0
-    backward: PerStage = 1.0
-    weight: PerStage = 0.0
-    transfer: float = 0.0
-    activation_bytes: PerStage = 1
-    gradient_bytes: PerStage = 0
-    deferred_bytes: PerStage = 0
-    latency: float = 0.0
-    bandwidth: float = math.inf
-    fused: float = 1.0
-
-    @classmethod
-    def from_timeline(cls, timeline: Timeline, stages: int | None = None) -> Costs:
-        """The median F, B and W durations per stage of a measured timeline.
-
-        See :func:`costs_from_timeline`.
-        """
-        return costs_from_timeline(timeline, stages)
 
 
 def _per_stage(value: PerStage, stages: int, what: str) -> list[float]:
@@ -74,9 +24,6 @@ def _per_stage(value: PerStage, stages: int, what: str) -> list[float]:
     if len(values) != stages:
         raise ValueError(f"Costs.{what} lists {len(values)} stages, the schedule has {stages}")
     return values
-
-
-Skip = tuple[int, int, float]  # (sending stage, reading stage, bytes per micro-batch)
 
 
 def simulate(
@@ -167,11 +114,11 @@ def _simulate(schedule: Schedule, costs: Costs, skips: Sequence[Skip]) -> Timeli
     key = kind * size + stage * microbatches + mb  # F, B, W of (stage, micro-batch)
     if (place[stage] != columns.device).any() or (np.bincount(key, minlength=3 * size) > 1).any():
         raise _invalid(schedule)
-    waits = _waits(kind, stage, mb, stages, microbatches, edge, skips, placement, costs)
+    waits = action_waits(kind, stage, mb, stages, microbatches, edge, skips, placement, costs)
     if schedule.wrap:
-        _wrap_around(waits, kind, stage, mb, stages, microbatches, schedule.wrap, placement, costs)
+        wrap_around(waits, kind, stage, mb, stages, microbatches, schedule.wrap, placement, costs)
     duration = np.array([forward, backward, weight], np.float64)[kind, stage]
-    groups = _groups(columns)
+    groups = fused_groups(columns)
     for first, count_parts in groups:
         duration[first : first + count_parts] *= costs.fused
     times = _run(columns, key, waits, duration, groups)
@@ -200,102 +147,9 @@ def _simulate(schedule: Schedule, costs: Costs, skips: Sequence[Skip]) -> Timeli
     return Timeline.from_columns(simulated, "cost", schedule.name)
 
 
-@dataclass(frozen=True)
-class _Waits:
-    """Per action, what it waits for, one array per column: ``key[j]`` the finish-time key
-    of its j-th prerequisite (``none``: nothing) and ``extra[j]`` the transfer time on top
-    (None: always 0). Column 0 is the input (F) or the gradient from the next stage (B),
-    column 1 a backward's own forward or a W's backward, then one per skip, whose sending
-    stage and bytes are ``sender[j]`` and ``nbytes[j]``."""
-
-    key: list[np.ndarray]
-    extra: list[np.ndarray | None]
-    sender: dict[int, np.ndarray]
-    nbytes: dict[int, np.ndarray]
-    none: int
-    wrapped: np.ndarray  # per action: a decode's F on stage 0 waiting for its lane's token
-
-
-def _waits(
-    kind: np.ndarray,
-    stage: np.ndarray,
-    mb: np.ndarray,
-    stages: int,
-    microbatches: int,
-    edge: list[float],
-    skips: Sequence[Skip],
-    placement: tuple[int, ...],
-    costs: Costs,
-) -> _Waits:
-    size = stages * microbatches
-    none = 3 * size
-    is_f, is_b = kind == KINDS.index(FORWARD), kind == KINDS.index(BACKWARD)
-    index = stage * microbatches + mb
-    edges = np.array([*edge, 0.0])  # edges[-1]: before stage 0, nothing
-    # F(s, i) waits for F(s-1, i); B(s, i) for B(s+1, i) and F(s, i); W(s, i) for B(s, i).
-    valid = np.where(is_f, stage > 0, is_b & (stage + 1 < stages))
-    key = [
-        np.where(valid, np.where(is_f, index - microbatches, size + index + microbatches), none),
-        np.where(is_f, none, np.where(is_b, index, size + index)),
-    ]
-    extra: list[np.ndarray | None] = [
-        np.where(valid, edges[np.where(is_f, stage - 1, stage)], 0.0),
-        None,
-    ]
-    # A skip: the reader's F waits for the sender's F, the sender's B for the reader's B;
-    # each stage's skips fill columns 2, 3, ... in the order given.
-    sender: dict[int, np.ndarray] = {}
-    nbytes: dict[int, np.ndarray] = {}
-    filled = {FORWARD: [2] * stages, BACKWARD: [2] * stages}
-    for sending, reading, count_bytes in skips:
-        cost = 0.0
-        if placement[sending] != placement[reading]:
-            cost = costs.transfer + costs.latency + count_bytes / costs.bandwidth
-        for rows, mine, other, offset, which in (
-            (is_f, reading, sending, 0, FORWARD),
-            (is_b, sending, reading, size, BACKWARD),
-        ):
-            column = filled[which][mine]
-            filled[which][mine] += 1
-            if column == len(key):
-                key.append(np.full(len(kind), none))
-                extra.append(np.zeros(len(kind)))
-                sender[column] = np.zeros(len(kind), np.int64)
-                nbytes[column] = np.zeros(len(kind))
-            at = rows & (stage == mine)
-            key[column][at] = offset + other * microbatches + mb[at]
-            more = extra[column]
-            assert more is not None
-            more[at], sender[column][at], nbytes[column][at] = cost, other, count_bytes
-    return _Waits(key, extra, sender, nbytes, none, np.zeros(len(kind), bool))
-
-
-def _wrap_around(
-    waits: _Waits,
-    kind: np.ndarray,
-    stage: np.ndarray,
-    mb: np.ndarray,
-    stages: int,
-    microbatches: int,
-    wrap: int,
-    placement: tuple[int, ...],
-    costs: Costs,
-) -> None:
-    """A decode's F on stage 0 waits for the last stage's F of its lane's previous token
-    (micro-batch ``i - wrap``), plus a message's fixed cost when they are on different
-    devices (a token is a few bytes)."""
-    rows = (kind == KINDS.index(FORWARD)) & (stage == 0) & (mb >= wrap)
-    waits.key[0][rows] = (stages - 1) * microbatches + mb[rows] - wrap
-    cost = costs.transfer + costs.latency if placement[-1] != placement[0] else 0.0
-    extra = waits.extra[0]
-    assert extra is not None
-    extra[rows] = cost
-    waits.wrapped[rows] = True
-
-
 def _messages(
     columns: ActionColumns,
-    waits: _Waits,
+    waits: Waits,
     finished: np.ndarray,
     placement: tuple[int, ...],
     sizes: list[float],
@@ -340,19 +194,10 @@ def _messages(
     )
 
 
-def _groups(columns: ActionColumns) -> list[tuple[int, int]]:
-    """(first row, rows) of each fused action, in row order."""
-    if columns.parts is None:
-        return []
-    last = np.cumsum(columns.parts)
-    fused = np.flatnonzero(columns.parts > 1)
-    return [(int(last[i] - columns.parts[i]), int(columns.parts[i])) for i in fused]
-
-
 def _run(
     columns: ActionColumns,
     key: np.ndarray,
-    waits: _Waits,
+    waits: Waits,
     duration: np.ndarray,
     groups: Sequence[tuple[int, int]] = (),
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
@@ -398,7 +243,7 @@ def _run(
     end[starts], end[free] = 0.0, -np.inf
     # What other actions see of an action's end: its own, or its fused action's last part's.
     seen = end if not groups else end.copy()
-    closes = _merge_group_waits(groups, slot, deps, extra, free)
+    closes = merge_fused_waits(groups, slot, deps, extra, free)
     inside = np.zeros(slots + 1, bool)
     for members in closes.values():
         inside[members] = True
@@ -432,40 +277,6 @@ def _run(
     return start[slot], end[slot], seen[by_key]
 
 
-def _merge_group_waits(
-    groups: Sequence[tuple[int, int]],
-    slot: np.ndarray,
-    deps: list[np.ndarray],
-    extra: list[np.ndarray | None],
-    free: int,
-) -> dict[int, np.ndarray]:
-    """Move what a fused action's later parts wait for onto its first part (in new
-    columns), since the parts start as one; what a part waits for within its own fused
-    action is dropped. Returns, per fused action's last slot, all its slots: the slot
-    that, once run, makes the whole fused action seen."""
-    closes: dict[int, np.ndarray] = {}
-    width = len(deps)
-    for first, count in groups:
-        mine = slot[first : first + count]
-        head, column = int(mine[0]), width  # the next new column this fused action fills
-        for part in mine[1:].tolist():
-            for j in range(width):
-                target = int(deps[j][part])
-                deps[j][part] = free
-                if target == free or target in mine:
-                    continue
-                if column == len(deps):
-                    deps.append(np.full_like(deps[0], free))
-                    extra.append(np.zeros(len(deps[0])))
-                more, added = extra[j], extra[column]
-                assert added is not None
-                deps[column][head] = target
-                added[head] = 0.0 if more is None else more[part]
-                column += 1
-        closes[int(mine[-1])] = mine
-    return closes
-
-
 def _invalid(schedule: Schedule) -> ScheduleError:
     """The validator's error for a schedule the simulator could not run."""
     try:
@@ -473,69 +284,3 @@ def _invalid(schedule: Schedule) -> ScheduleError:
     except ScheduleError as error:
         return error
     return ScheduleError(f"simulator could not run schedule {schedule.name!r}")
-
-
-def costs_from_timeline(timeline: Timeline, stages: int | None = None) -> Costs:
-    """The median F, B and W duration of each model stage in a (measured) timeline.
-
-    Feeding the result to :func:`simulate` predicts the timeline from its own parts, so
-    prediction and measurement can be compared. Transfer time is left at 0.
-
-    A fused event (a forward and a backward issued together) has no time per part, so it
-    is left out of the medians; ``fused`` is the median, over fused events, of its
-    duration over what its parts take one after another (its forward's stage's median F
-    plus its backward's stage's median B, and W if it carries one), clamped to [0.25, 2].
-    Events whose parts' stages have no plain events of those kinds are left out of it.
-
-    Args:
-        timeline: any timeline; the stage of each event is its action's stage.
-        stages: the number of model stages; by default one more than the largest seen.
-
-    Returns:
-        Per-stage costs; a stage or kind with no events gets 0. ``weight`` is the median W
-        time if the timeline has W events, else 0 (B then already includes it). ``fused``
-        is 1.0 without fused events to measure it from.
-    """
-    seen = [e for device in timeline.events for e in device]
-    most = max((u.stage for e in seen for u in e.action.units), default=-1)
-    count = stages if stages is not None else 1 + most
-    durations: dict[str, list[list[float]]] = {
-        kind: [[] for _ in range(count)] for kind in (FORWARD, BACKWARD, WEIGHT)
-    }
-    for event in seen:
-        if not event.action.parts:
-            durations[event.action.kind][event.action.stage].append(event.duration)
-
-    median = {
-        kind: [statistics.median(d) if d else 0.0 for d in per_stage]
-        for kind, per_stage in durations.items()
-    }
-    ratios = []
-    for event in seen:
-        parts = event.action.parts
-        if parts and all(durations[u.kind][u.stage] for u in parts):
-            alone = sum(median[u.kind][u.stage] for u in parts)
-            if alone > 0:
-                ratios.append(event.duration / alone)
-    fused = min(max(statistics.median(ratios), 0.25), 2.0) if ratios else 1.0
-    return Costs(
-        forward=median[FORWARD],
-        backward=median[BACKWARD],
-        weight=median[WEIGHT],
-        fused=fused,
-    )
-
-
-def skips_from_timeline(timeline: Timeline, pairs: Sequence[tuple[int, int]]) -> list[Skip]:
-    """The skips ``pairs`` (sending stage, reading stage) with the median bytes a measured
-    timeline's transfers carried between them (0 where none crossed devices), for
-    :func:`simulate`."""
-    skips: list[Skip] = []
-    for sender, reader in pairs:
-        sizes = [
-            t.nbytes
-            for t in timeline.transfers
-            if t.kind == FORWARD and t.sender == sender and t.stage == reader
-        ]
-        skips.append((sender, reader, statistics.median(sizes) if sizes else 0.0))
-    return skips
