@@ -14,10 +14,9 @@ each pair's order, torch's zbv and dualpipev among them.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import TYPE_CHECKING, NamedTuple
 
-from gpipe.schedule.action import BACKWARD, FORWARD, Action, dependencies, units
+from gpipe.schedule.action import BACKWARD, FORWARD, Action, units
 
 if TYPE_CHECKING:
     from gpipe.schedule.schedule import Schedule
@@ -29,7 +28,6 @@ __all__ = [
     "SEND",
     "Message",
     "communication",
-    "in_pair_order",
     "keeps_pair_order",
 ]
 
@@ -147,64 +145,3 @@ def keeps_pair_order(schedule: Schedule) -> bool:
             if given is not None:
                 sent.setdefault((device, given[0]), []).append(given[1])
     return sent == taken
-
-
-def in_pair_order(schedule: Schedule) -> Schedule:
-    """The same schedule, reordered so each device takes its messages in the order sent.
-
-    Runs the lists in lock step (as :func:`~gpipe.schedule.run_in_steps` does). When a
-    device's next action could run but takes a message its sender sent after another one
-    still waiting, and the action that takes that earlier message is further down the
-    device's list with everything it needs done, that action moves up and runs now. A
-    schedule whose messages already keep their order comes back unchanged.
-
-    Args:
-        schedule: any schedule.
-
-    Returns:
-        The reordered schedule; the one given if the devices get stuck either way (the
-        validator then says why).
-    """
-    if keeps_pair_order(schedule):
-        return schedule
-    queues = [list(actions) for actions in schedule.actions]
-    ran: list[list[Action]] = [[] for _ in queues]
-    done: set[Action] = set()
-    sent: dict[tuple[int, int], list[Tag]] = {}  # (sender, receiver) -> tags not yet taken
-    while any(queues):
-        step: list[tuple[int, Action]] = []
-        for device, queue in enumerate(queues):
-            if not queue or not all(
-                d in done for d in dependencies(queue[0], schedule.stages, schedule.wrap)
-            ):
-                continue
-            action = queue[0]
-            taken = _received(action, device, schedule)
-            if taken is not None:
-                waiting = sent.get((taken[0], device), [])
-                if not waiting:
-                    continue
-                if waiting[0] != taken[1]:
-                    kind, stage, microbatch = waiting[0]
-                    first = Action(FORWARD if kind == ACTIVATION else BACKWARD, stage, microbatch)
-                    if first not in queue or not all(
-                        d in done for d in dependencies(first, schedule.stages, schedule.wrap)
-                    ):
-                        continue
-                    queue.remove(first)
-                    queue.insert(0, first)
-                    action = first
-            step.append((device, queue.pop(0)))
-        if not step:
-            return schedule
-        # NOTE: results become visible only at the next step, as in run_in_steps.
-        for device, action in step:
-            done.add(action)
-            ran[device].append(action)
-            taken = _received(action, device, schedule)
-            if taken is not None:
-                sent[taken[0], device].pop(0)
-            given = _sent(action, device, schedule)
-            if given is not None:
-                sent.setdefault((device, given[0]), []).append(given[1])
-    return dataclasses.replace(schedule, actions=ran)
