@@ -43,8 +43,6 @@ no submodule calls for split points and user's modules to hold the parameters.
 from __future__ import annotations
 
 import collections
-import contextlib
-import functools
 import inspect
 import operator
 import traceback
@@ -61,8 +59,8 @@ from gpipe.split.shadow import (
     Shadow,
     finfo_of_traced_dtypes,
     kept_buffers,
-    torch_functions_wrapped,
 )
+from gpipe.split.trace_patches import lengths_of_shapes, traceable_factories
 
 __all__ = ["Traced", "trace"]
 
@@ -215,61 +213,6 @@ class _Tracer(fx.Tracer):
             raise
 
 
-# Factories whose size may be given as several positional ints: torch.ones(t, t).
-_SIZED_FACTORIES = ("ones", "zeros", "empty", "rand", "randn")
-
-
-def _sizes_as_tuple(factory: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(factory)
-    def call(*args: Any, **kwargs: Any) -> Any:
-        if len(args) > 1 and any(isinstance(a, fx.Proxy) for a in args):
-            return factory(tuple(args), **kwargs)
-        return factory(*args, **kwargs)
-
-    return call
-
-
-@contextlib.contextmanager
-def _traceable_factories() -> Iterator[None]:
-    """Let ``torch.ones(t, t)`` take traced lengths while tracing.
-
-    NOTE: torch.fx records ``torch.ones((t, t))`` but raises TypeError on ``torch.ones(t, t)``
-    with ``t = x.shape[1]`` (the varargs overload does not dispatch on a Proxy), a common way
-    to build a causal mask; packing the sizes into one tuple is the same call.
-    """
-    with torch_functions_wrapped(_SIZED_FACTORIES, _sizes_as_tuple):
-        yield
-
-
-@contextlib.contextmanager
-def _lengths_of_shapes(shadow: Shadow) -> Iterator[None]:
-    """Let ``len(x.shape)`` (and ``(*x.shape[:-1], -1)``, which asks for it) be the rank,
-    and record ``x[index] = value`` (Mixtral's expert routing) as the operation it is.
-
-    NOTE: fx's Proxy refuses ``len()`` outright, not through the tracer as it does ``if``
-    and iteration; the length of a shape is the tensor's rank, which no input changes.
-    """
-    refuse = fx.Proxy.__len__
-
-    def length(proxy: fx.Proxy) -> int:
-        if shadow.of_metadata(proxy.node):
-            value = shadow.value(proxy.node)
-            if isinstance(value, tuple | list):
-                return len(value)
-        return refuse(proxy)
-
-    def setitem(proxy: fx.Proxy, key: Any, value: Any) -> None:
-        proxy.tracer.create_proxy("call_function", operator.setitem, (proxy, key, value), {})
-
-    fx.Proxy.__len__ = length  # type: ignore[method-assign]
-    setattr(fx.Proxy, "__setitem__", setitem)  # noqa: B010
-    try:
-        yield
-    finally:
-        fx.Proxy.__len__ = refuse  # type: ignore[method-assign]
-        delattr(fx.Proxy, "__setitem__")
-
-
 def _leaf_spec(
     model: nn.Module, leaf_modules: LeafSpec | None
 ) -> tuple[set[str], tuple[type, ...]]:
@@ -385,9 +328,9 @@ def trace(
     tracer = _Tracer(names, types, shadow, _root_function(model, given, constants))
     try:
         with (
-            _traceable_factories(),
+            traceable_factories(),
             finfo_of_traced_dtypes(shadow),
-            _lengths_of_shapes(shadow),
+            lengths_of_shapes(shadow),
             kept_buffers(model),
         ):
             graph = tracer.trace(model)
