@@ -167,6 +167,8 @@ class Stages(nn.ModuleList):
             values the example call gave); a call may pass them again, with the same value.
         call_order: the names positional arguments fill, in order (inputs and constants);
             by default the dataflow's inputs.
+        source: the model these stages were cut from (``gpipe.split`` keeps it), which
+            ``pipe.generate`` decodes through.
 
     Raises:
         ValueError: the module count, the dataflow and the balance disagree.
@@ -180,8 +182,12 @@ class Stages(nn.ModuleList):
         devices: Sequence[torch.device] | None = None,
         constants: Mapping[str, Any] | None = None,
         call_order: Sequence[str] | None = None,
+        source: nn.Module | None = None,
     ) -> None:
         super().__init__(modules)
+        # NOTE: kept out of the module tree (its parameters are the stages' already): what
+        # generation calls the user's own decoder layers through.
+        object.__setattr__(self, "source", source)
         if len(modules) != dataflow.count:
             raise ValueError(f"{len(modules)} stage modules for a dataflow of {dataflow.count}")
         self.dataflow = dataflow

@@ -9,6 +9,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from gpipe.generation.cache import DecodeStep, LayerCache
+
 __all__ = ["GPTConfig", "gpt", "gpt_loss", "synthetic_tokens"]
 
 
@@ -37,6 +39,12 @@ class Embedding(nn.Module):
         positions = torch.arange(ids.shape[1], device=ids.device)
         return self.dropout(self.token(ids) + self.position(positions))
 
+    def forward_cached(
+        self, ids: torch.Tensor, cache: LayerCache, step: DecodeStep
+    ) -> torch.Tensor:
+        """The new tokens' embeddings at their positions (``pipe.generate``'s protocol)."""
+        return self.dropout(self.token(ids) + self.position(step.positions))
+
 
 class Block(nn.Module):
     """A pre-norm transformer block: causal self-attention, then an MLP."""
@@ -63,6 +71,17 @@ class Block(nn.Module):
         attn = F.scaled_dot_product_attention(
             q, k, v, is_causal=True, dropout_p=self.attn_dropout if self.training else 0.0
         )
+        x = x + self.dropout(self.proj(attn.transpose(1, 2).reshape(b, t, c)))
+        return x + self.dropout(self.mlp(self.norm2(x)))
+
+    def forward_cached(self, x: torch.Tensor, cache: LayerCache, step: DecodeStep) -> torch.Tensor:
+        """The new tokens' output, attending to every earlier token through ``cache``
+        (``pipe.generate``'s protocol, see :mod:`gpipe.generation.programs`)."""
+        b, t, c = x.shape
+        q, k, v = self.qkv(self.norm1(x)).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
+        k, v = cache.update(k, v)
+        attn = F.scaled_dot_product_attention(q, k, v, attn_mask=step.mask(q.dtype))
         x = x + self.dropout(self.proj(attn.transpose(1, 2).reshape(b, t, c)))
         return x + self.dropout(self.mlp(self.norm2(x)))
 

@@ -141,6 +141,7 @@ def split(
         devices=None if devices is None else [torch.device(d) for d in devices],
         constants=traced.constants,
         call_order=traced.call_order,
+        source=model,
     )
 
 
