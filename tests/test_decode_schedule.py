@@ -73,8 +73,8 @@ def test_the_token_goes_back_from_the_last_device_to_the_first_as_a_message() ->
     last = [str(op) for batch in lowered.batches(2) for op in batch.ops]
     first = [str(op) for batch in lowered.batches(0) for op in batch.ops]
     for i in range(3):  # each lane's first token, sampled on device 2, read by 0F(i + 3)
-        assert f"send act 0:{i + 3} to 0" in last
-        assert f"recv act 0:{i + 3} from 2" in first
+        assert f"send act 0<-2:{i + 3} to 0" in last
+        assert f"recv act 0<-2:{i + 3} from 2" in first
     timeline = simulate(schedule, Costs(forward=1, backward=0, transfer=0.5))
     tokens = [t for t in timeline.transfers if t.stage == 0]
     assert [(t.source, t.target, t.nbytes) for t in tokens] == [(2, 0, 0)] * 3

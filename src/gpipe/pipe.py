@@ -15,6 +15,7 @@ from gpipe.balance.optimizer_state import OptimizerSpec
 from gpipe.core.pipe_core import PipeCore
 from gpipe.core.targets import LossFn, check_train_arguments, weighted_loss
 from gpipe.dataflow import Stages
+from gpipe.generation.local import generate_locally
 from gpipe.local_layout import (
     Device,
     check_placement,
@@ -488,8 +489,6 @@ class GPipe(PipeCore):
         Returns:
             ``[rows, length + new]`` ids: the prompt, then the new tokens.
         """
-        from gpipe.generation.local import generate_locally
-
         names = None
         if self._flow is None:
             names = [list(partition._modules) for partition in self.partitions]

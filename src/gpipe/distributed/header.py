@@ -29,7 +29,7 @@ from gpipe.schedule import Schedule
 __all__ = ["CALLS", "Header", "LossBroadcast", "agree", "settings_code"]
 
 #: The calls of a pipe that every rank of it makes together, in the same order.
-CALLS = ("train_step", "eval_step", "save", "load", "clip_grad_norm_", "timeline")
+CALLS = ("train_step", "eval_step", "save", "load", "clip_grad_norm_", "timeline", "generate")
 
 _LOSS_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 
@@ -94,7 +94,8 @@ def agree(
         raise guard.fail(
             f"rank {guard.rank} called {call}() while rank {source}, which reads the pipe's "
             f"inputs, called {CALLS[their_call]}(): every rank of a pipe makes the same calls "
-            "in the same order (train_step, eval_step, save, load, clip_grad_norm_, timeline)"
+            "in the same order (train_step, eval_step, save, load, clip_grad_norm_, timeline, "
+            "generate)"
         )
     if theirs != code:
         schedule, checkpoint, chunks = settings

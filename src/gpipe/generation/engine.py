@@ -29,6 +29,7 @@ from gpipe.runtime.context import CallerContext, worker_entered
 from gpipe.runtime.threads import DeviceThreads
 from gpipe.runtime.transport import ACTIVATION, Aborted, Transport
 from gpipe.schedule import Action, Schedule, in_one_order
+from gpipe.schedule.communication import token_tag
 
 __all__ = ["Decoder", "Lane"]
 
@@ -166,6 +167,8 @@ class Decoder:
         lane = self.lanes[index]
         if stage == 0 and token == 0:
             x = lane.ids.to(self.stage_devices[0])
+        elif stage == 0:
+            x = self.transport.recv(token_tag(i, len(self.programs)))
         else:
             x = self.transport.recv((ACTIVATION, stage, i))
         program = self.programs[stage]
@@ -196,7 +199,8 @@ class Decoder:
         chosen = stopping.update(chosen)
         lane.tokens.append(chosen)
         if token + 1 < self.sampling.max_new_tokens:
-            self.transport.send((ACTIVATION, 0, i + len(self.lanes)), chosen[:, None])
+            following = token_tag(i + len(self.lanes), len(self.programs))
+            self.transport.send(following, chosen[:, None])
 
 
 def _named(exc: BaseException) -> BaseException:

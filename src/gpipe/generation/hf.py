@@ -84,6 +84,17 @@ def _held(stage: nn.Module, source: nn.Module, path: str) -> nn.Module:
     return held if type(held) is type(own) else own
 
 
+def _rotary(model: nn.Module, path: str) -> nn.Module:
+    """The model's rotary embedding, made again from its config where its buffers were
+    freed (a rank of a distributed pipe keeps only its own stages' tensors; the rotary
+    embedding belongs to the first stage's trace, but every stage needs it here)."""
+    rotary = model.get_submodule(path)
+    if not any(buffer.is_meta for buffer in rotary.buffers()):
+        return rotary
+    device = next((p.device for p in model.parameters() if not p.is_meta), None)
+    return type(rotary)(config=model.config).to(device)
+
+
 class _HFStage:
     """One stage of a split HF causal LM: embedding (first), decoder layers, head (last)."""
 
@@ -103,7 +114,7 @@ class _HFStage:
             _held(stage, model, layout.positions) if first and layout.positions else None
         )
         self.dropout = _held(stage, model, layout.dropout) if first and layout.dropout else None
-        self.rotary = model.get_submodule(layout.rotary) if layout.rotary else None
+        self.rotary = _rotary(model, layout.rotary) if layout.rotary else None
         self.norm = _held(stage, model, layout.norm) if last else None
         self.head = _held(stage, model, "lm_head") if last else None
         self.layers = [(i, _held(stage, model, f"{layout.layers}.{i}")) for i in layers]

@@ -37,7 +37,15 @@ GRADIENT = "grad"
 SEND = "send"
 RECV = "recv"
 
-Tag = tuple[str, int, int]
+
+def token_tag(microbatch: int, stages: int) -> tuple[str, int, int, int]:
+    """The tag of the token a decode's last stage hands back to stage 0 for forward
+    ``microbatch``. It names its sender (the last stage) on every transport, chain or
+    dataflow: it is the one message whose sender is not the stage before."""
+    return (ACTIVATION, 0, microbatch, stages - 1)
+
+
+Tag = tuple[str, int, int] | tuple[str, int, int, int]
 
 
 class Message(NamedTuple):
@@ -94,11 +102,11 @@ def communication(schedule: Schedule) -> list[list[Message]]:
             for part in action.units:
                 taken = _received(part, device, schedule)
                 if taken is not None:
-                    mine.append(Message(taken[0], *taken[1], RECV, action))
+                    mine.append(Message(taken[0], *taken[1][:3], RECV, action))
             for part in action.units:
                 given = _sent(part, device, schedule)
                 if given is not None:
-                    mine.append(Message(given[0], *given[1], SEND, action))
+                    mine.append(Message(given[0], *given[1][:3], SEND, action))
         messages.append(mine)
     return messages
 
@@ -114,7 +122,7 @@ def _received(action: Action, device: int, schedule: Schedule) -> tuple[int, Tag
     wrap, last = schedule.wrap, schedule.stages - 1
     wrapped = action.kind == FORWARD and stage == 0 and wrap and action.microbatch >= wrap
     if wrapped and placement[last] != device:
-        return placement[last], (ACTIVATION, 0, action.microbatch)
+        return placement[last], token_tag(action.microbatch, schedule.stages)
     return None
 
 
@@ -128,7 +136,7 @@ def _sent(action: Action, device: int, schedule: Schedule) -> tuple[int, Tag] | 
     wrap, last = schedule.wrap, schedule.stages - 1
     wrapped = action.kind == FORWARD and stage == last and wrap
     if wrapped and action.microbatch + wrap < schedule.microbatches and placement[0] != device:
-        return placement[0], (ACTIVATION, 0, action.microbatch + wrap)
+        return placement[0], token_tag(action.microbatch + wrap, schedule.stages)
     return None
 
 

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
 from gpipe.schedule.action import BACKWARD, FORWARD, Action
-from gpipe.schedule.communication import ACTIVATION, GRADIENT, RECV, SEND
+from gpipe.schedule.communication import ACTIVATION, GRADIENT, RECV, SEND, token_tag
 from gpipe.schedule.steps import run_in_steps
 
 if TYPE_CHECKING:
@@ -212,7 +212,7 @@ def _made(action: Action, schedule: Schedule, flow: Flow | None) -> list[tuple[i
     wrap, last, i = schedule.wrap, schedule.stages - 1, action.microbatch
     wrapped = wrap and kind == ACTIVATION and action.stage == last
     if wrapped and i + wrap < schedule.microbatches and placement[0] != device:
-        made.append((placement[0], _tag(ACTIVATION, 0, i + wrap, last, flow)))
+        made.append((placement[0], token_tag(i + wrap, schedule.stages)))
     return made
 
 
@@ -230,7 +230,7 @@ def _sources(action: Action, schedule: Schedule, flow: Flow | None) -> list[tupl
     wrap, last, i = schedule.wrap, schedule.stages - 1, action.microbatch
     wrapped = wrap and kind == ACTIVATION and action.stage == 0 and i >= wrap
     if wrapped and placement[last] != device:
-        read.append((placement[last], _tag(ACTIVATION, 0, i, last, flow)))
+        read.append((placement[last], token_tag(i, schedule.stages)))
     return read
 
 
