@@ -15,7 +15,8 @@ from gpipe.balance.optimizer_state import OptimizerSpec
 from gpipe.core.pipe_core import PipeCore
 from gpipe.core.targets import LossFn, check_train_arguments, weighted_loss
 from gpipe.dataflow import Stages
-from gpipe.generation.local import generate_locally
+from gpipe.generation.local import fit_locally, generate_locally
+from gpipe.generation.memory import CacheFit
 from gpipe.local_layout import (
     Device,
     check_placement,
@@ -37,6 +38,7 @@ from gpipe.skip import has_skippables
 from gpipe.skip import stages as skip_stages
 from gpipe.structure import leaves
 from gpipe.tied import TiedParameters
+from gpipe.units import parse_bytes
 
 if TYPE_CHECKING:  # planning sits above the pipe: only its types are named here
     from gpipe.planning.plan_report import Plan, PlanOrReport
@@ -489,10 +491,7 @@ class GPipe(PipeCore):
         Returns:
             ``[rows, length + new]`` ids: the prompt, then the new tokens.
         """
-        names = None
-        if self._flow is None:
-            names = [list(partition._modules) for partition in self.partitions]
-        source = getattr(self._flow, "source", None) if self._flow is not None else None
+        names, source = self._generation_sources()
         settings = dict(
             max_new_tokens=max_new_tokens,
             do_sample=do_sample,
@@ -507,6 +506,34 @@ class GPipe(PipeCore):
         )
         self.generation_timeline = decoder.timeline()
         return ids
+
+    def generation_fit(
+        self, memory_per_device: int | str, *, length: int, rows: int = 1
+    ) -> list[CacheFit]:
+        """Per device, what fits while generating: rows of ``length`` positions (prompt plus
+        new tokens), and positions for ``rows`` rows, beside its weights in the budget.
+
+        Each stage's KV bytes per row and position are measured by a one-row probe, so any
+        model :meth:`generate` takes is covered. Activations of one forward are left out.
+
+        Args:
+            memory_per_device: bytes, or a size such as ``"16GiB"``.
+            length: prompt plus new tokens per row.
+            rows: the rows to find the longest length for.
+        """
+        budget = (
+            parse_bytes(memory_per_device)
+            if isinstance(memory_per_device, str)
+            else memory_per_device
+        )
+        names, source = self._generation_sources()
+        return fit_locally(self._stages, source, names, budget, length, rows)
+
+    def _generation_sources(self) -> tuple[list[list[str]] | None, nn.Module | None]:
+        """What decodes each stage: the layer names of a Sequential, or the split model."""
+        if self._flow is None:
+            return [list(partition._modules) for partition in self.partitions], None
+        return None, getattr(self._flow, "source", None)
 
     def close(self) -> None:
         """End the pipe's worker threads now instead of when the pipe is garbage collected.

@@ -4,7 +4,7 @@ the decode schedule, and the output as Hugging Face's ``generate`` returns it.""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
@@ -28,6 +28,10 @@ class GenerationStats:
         wire_bytes: bytes of hidden states each stage sent to the next, over the whole run
             (tokens handed back to stage 0 not counted).
         seconds: the run's wall time.
+        rows: the prompt's rows.
+        predicted_cache_bytes: what each stage's cache was predicted to hold, from its bytes
+            per row and position (:func:`gpipe.generation.memory.cache_bytes_per_token`);
+            empty where not predicted (a distributed pipe).
     """
 
     lanes: int
@@ -35,13 +39,13 @@ class GenerationStats:
     cache_bytes: dict[int, int]
     wire_bytes: dict[int, int]
     seconds: float
+    rows: int
+    predicted_cache_bytes: dict[int, int] = field(default_factory=dict)
 
     @property
     def tokens_per_second(self) -> float:
         """New tokens per second over every row (the rows of the batch times ``tokens``)."""
         return self.rows * self.tokens / self.seconds if self.seconds > 0 else 0.0
-
-    rows: int = 0
 
 
 def check_prompt(input_ids: Tensor, attention_mask: Tensor | None) -> Tensor:

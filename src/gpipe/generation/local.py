@@ -17,12 +17,18 @@ from gpipe.generation.generate import (
     cut_lanes,
     stage_programs,
 )
+from gpipe.generation.memory import (
+    CacheFit,
+    cache_bytes_per_token,
+    fit,
+    predicted_cache_bytes,
+)
 from gpipe.generation.sampling import Sampling
 from gpipe.runtime.mailbox import LocalTransport
 from gpipe.runtime.stage_set import StageSet
 from gpipe.schedule import decode
 
-__all__ = ["generate_locally"]
+__all__ = ["fit_locally", "generate_locally"]
 
 
 def generate_locally(
@@ -66,12 +72,40 @@ def generate_locally(
     for tag, _, size in transport._sent:
         sender = tag[1] - 1
         wire[sender] = wire.get(sender, 0) + size
+    rows, positions = input_ids.shape[0], input_ids.shape[1] + sampling.max_new_tokens - 1
+    predicted = predicted_cache_bytes(
+        cache_bytes_per_token(programs, stage_devices), rows, positions
+    )
     stats = GenerationStats(
         lanes=len(cut),
         tokens=sampling.max_new_tokens,
         cache_bytes=decoder.cache_bytes(),
         wire_bytes=wire,
         seconds=seconds,
-        rows=input_ids.shape[0],
+        rows=rows,
+        predicted_cache_bytes=dict(enumerate(predicted)),
     )
     return assemble(input_ids, cut, sampling), stats, decoder
+
+
+def fit_locally(
+    stages: StageSet,
+    source: nn.Module | None,
+    names: Sequence[Sequence[str]] | None,
+    memory_per_device: int,
+    length: int,
+    rows: int,
+) -> list[CacheFit]:
+    """:func:`gpipe.generation.memory.fit` for a local pipe's stages."""
+    modules = [stages.module(stage) for stage in range(stages.count)]
+    programs = stage_programs(modules, source, names)
+    devices = [stages.device_of(stage) for stage in range(stages.count)]
+    return fit(
+        programs,
+        modules,
+        devices,
+        stages.placement,
+        memory_per_device,
+        length=length,
+        wanted_rows=rows,
+    )
