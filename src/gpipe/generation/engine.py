@@ -57,6 +57,8 @@ class Decoder:
         sampling: how the last stage chooses tokens.
         generator: the random stream sampling draws from (None: torch's global one).
         after: called with each action once it ran (a distributed transport posts then).
+        skip_finished: pass None instead of a finished lane's messages, so its stages skip
+            their compute (a local transport; a distributed one keeps every message's shape).
     """
 
     def __init__(
@@ -69,8 +71,10 @@ class Decoder:
         sampling: Sampling,
         generator: torch.Generator | None = None,
         after: Callable[[Action], None] | None = None,
+        skip_finished: bool = False,
     ) -> None:
         self.programs = list(programs)
+        self.skip_finished = skip_finished
         self.stage_devices = list(stage_devices)
         self.placement = tuple(placement)
         self.transport = transport
@@ -161,7 +165,6 @@ class Decoder:
             self.transport.abort(exc)
 
     def _forward(self, device: int, action: Action) -> None:
-        start = time.perf_counter_ns()
         stage, i = action.stage, action.microbatch
         token, index = divmod(i, len(self.lanes))
         lane = self.lanes[index]
@@ -171,11 +174,16 @@ class Decoder:
             x = self.transport.recv(token_tag(i, len(self.programs)))
         else:
             x = self.transport.recv((ACTIVATION, stage, i))
-        program = self.programs[stage]
-        assert program is not None, f"stage {stage} is not held here"
-        cache = self.caches.setdefault((stage, index), StageCache())
-        step = DecodeStep.of(lane.mask, token, self.stage_devices[stage])
-        out = program(x, cache, step)
+        start = time.perf_counter_ns()  # NOTE: after its input came, as a training step times
+        out = None
+        # NOTE: a lane whose rows have all finished runs nothing more: locally its stages
+        # pass None on; across ranks (where every message keeps its agreed shape) its last
+        # stage alone skips. Either way no token is drawn for it, so draws match.
+        if x is not None and not (stage == self.last and self._finished(index)):
+            program = self.programs[stage]
+            assert program is not None, f"stage {stage} is not held here"
+            cache = self.caches.setdefault((stage, index), StageCache())
+            out = program(x, cache, DecodeStep.of(lane.mask, token, self.stage_devices[stage]))
         if stage == self.last:
             self._sample(lane, out, token, i)
         else:
@@ -189,18 +197,30 @@ class Decoder:
             Event(action, (start - origin) / 1e9, (end - origin) / 1e9, held, held)
         )
 
-    def _sample(self, lane: Lane, logits: Tensor, token: int, i: int) -> None:
+    def _finished(self, lane: int) -> bool:
+        stopping = self._stopping.get(lane)
+        return stopping is not None and stopping.done
+
+    def _sample(self, lane: Lane, logits: Tensor | None, token: int, i: int) -> None:
+        """Choose the lane's next tokens (pad where it finished) and hand them to stage 0."""
+        rows = lane.mask.shape[0]
         stopping = self._stopping.get(lane.index)
         if stopping is None:
-            rows = lane.mask.shape[0]
-            stopping = Stopping(rows, self.sampling, logits.device)
-            self._stopping[lane.index] = stopping
-        chosen = next_tokens(logits[:, -1, :], self.sampling, self.generator)
-        chosen = stopping.update(chosen)
+            device = self.stage_devices[self.last]
+            stopping = self._stopping[lane.index] = Stopping(rows, self.sampling, device)
+        if logits is None:  # finished: pad, drawing nothing
+            pad = self.sampling.pad_id
+            chosen = stopping.unfinished.new_full(
+                (rows,), 0 if pad is None else pad, dtype=torch.long
+            )
+            stopping.steps += 1
+        else:
+            chosen = stopping.update(next_tokens(logits[:, -1, :], self.sampling, self.generator))
         lane.tokens.append(chosen)
         if token + 1 < self.sampling.max_new_tokens:
             following = token_tag(i + len(self.lanes), len(self.programs))
-            self.transport.send(following, chosen[:, None])
+            skip = self.skip_finished and stopping.done
+            self.transport.send(following, None if skip else chosen[:, None])
 
 
 def _named(exc: BaseException) -> BaseException:

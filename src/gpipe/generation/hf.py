@@ -49,6 +49,27 @@ _GPT2 = _Layout(layers="transformer.h", embed="transformer.wte", norm="transform
                 positions="transformer.wpe", dropout="transformer.drop")  # fmt: skip
 
 
+# Settings with which a look-alike of Llama changes what its forward does outside the decoder
+# layers a stage calls, each with the value at which it changes nothing. A stage would
+# silently ignore any other value, so such a model is refused.
+_OUTSIDE_LAYERS: dict[str, float | None] = {
+    "embedding_multiplier": 1.0,  # Granite scales the embeddings
+    "logits_scaling": 1.0,  # Granite divides the logits
+    "logit_scale": 1.0,  # Cohere multiplies them
+    "final_logit_softcapping": None,  # Gemma 2 and 3 cap them
+}
+
+
+def _unapplied_settings(config: Any) -> list[str]:
+    """The settings of ``config`` that a stage program would not apply, as ``name=value``."""
+    found = []
+    for name, neutral in _OUTSIDE_LAYERS.items():
+        value = getattr(config, name, neutral)
+        if value != neutral:
+            found.append(f"{name}={value!r}")
+    return found
+
+
 def _layout_of(model: nn.Module) -> _Layout | None:
     for layout in (_LLAMA, _GPT2):
         try:
@@ -167,7 +188,8 @@ def hf_programs(model: nn.Module, stages: Sequence[nn.Module]) -> list[StageProg
     """One decode program per stage of ``model`` as ``gpipe.split`` cut it into ``stages``.
 
     Raises:
-        TypeError: ``model`` is no Hugging Face causal LM of a known family.
+        TypeError: ``model`` is no Hugging Face causal LM of a known family, or one whose
+            config scales or caps embeddings or logits outside its decoder layers.
         ValueError: a cut inside a decoder layer, or an embedding or head away from the
             first or last stage.
     """
@@ -177,6 +199,14 @@ def hf_programs(model: nn.Module, stages: Sequence[nn.Module]) -> list[StageProg
             f"{type(model).__name__} is not a Hugging Face causal LM laid out as Llama "
             "(model.layers, model.embed_tokens, model.norm, lm_head) or GPT-2 (transformer.h, "
             "wte, ln_f, lm_head): give each layer forward_cached and pipe an nn.Sequential "
+            "(see gpipe.generation.programs)"
+        )
+    unapplied = _unapplied_settings(model.config)
+    if unapplied:
+        raise TypeError(
+            f"{type(model).__name__} sets {', '.join(unapplied)}, which its forward applies "
+            "outside the decoder layers that generate() calls, so the tokens would differ "
+            "from its own generate: give each layer forward_cached and pipe an nn.Sequential "
             "(see gpipe.generation.programs)"
         )
     count = len(list(model.get_submodule(layout.layers).children()))

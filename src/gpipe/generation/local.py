@@ -63,8 +63,9 @@ def generate_locally(
     transport.reset()
     stage_devices = [stages.device_of(stage) for stage in range(stages.count)]
     decoder = Decoder(
-        programs, stage_devices, stages.placement, transport, cut, sampling, generator
-    )
+        programs, stage_devices, stages.placement, transport, cut, sampling, generator,
+        skip_finished=True,
+    )  # fmt: skip
     start = time.perf_counter()
     decoder.run(schedule, stages.lanes, stages.threads)
     seconds = time.perf_counter() - start
