@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 from gpipe.generation.cache import DecodeStep, StageCache
@@ -49,9 +50,9 @@ _GPT2 = _Layout(layers="transformer.h", embed="transformer.wte", norm="transform
                 positions="transformer.wpe", dropout="transformer.drop")  # fmt: skip
 
 
-# Settings with which a look-alike of Llama changes what its forward does outside the decoder
-# layers a stage calls, each with the value at which it changes nothing. A stage would
-# silently ignore any other value, so such a model is refused.
+# Settings with which a look-alike of Llama scales or caps outside its decoder layers, each
+# with the value at which it changes nothing; a stage program applies them as its forward
+# does (Granite, Cohere, Gemma 2 and 3), so ids and draws stay the model's own.
 _OUTSIDE_LAYERS: dict[str, float | None] = {
     "embedding_multiplier": 1.0,  # Granite scales the embeddings
     "logits_scaling": 1.0,  # Granite divides the logits
@@ -60,13 +61,13 @@ _OUTSIDE_LAYERS: dict[str, float | None] = {
 }
 
 
-def _unapplied_settings(config: Any) -> list[str]:
-    """The settings of ``config`` that a stage program would not apply, as ``name=value``."""
-    found = []
+def _outside(config: Any) -> dict[str, float]:
+    """The settings of ``config`` that change what its forward does outside the layers."""
+    found = {}
     for name, neutral in _OUTSIDE_LAYERS.items():
         value = getattr(config, name, neutral)
-        if value != neutral:
-            found.append(f"{name}={value!r}")
+        if value != neutral and value is not None:
+            found[name] = value
     return found
 
 
@@ -140,28 +141,43 @@ class _HFStage:
         self.head = _held(stage, model, "lm_head") if last else None
         self.layers = [(i, _held(stage, model, f"{layout.layers}.{i}")) for i in layers]
         self.keyword = _cache_keyword(self.layers[0][1]) if self.layers else "cache"
+        self.outside = _outside(config)
         types = getattr(config, "layer_types", None)
         window = getattr(config, "sliding_window", None)
         if types is not None:
             self.windows = [window if types[i] == "sliding_attention" else None for i in layers]
         else:
             self.windows = [window] * len(self.layers)
+        # Gemma 3 keeps one rotary table per attention type: each layer reads its own type's
+        self.rope_types: list[str | None] = [None] * len(self.layers)
+        if (
+            self.rotary is not None
+            and "layer_type" in inspect.signature(self.rotary.forward).parameters
+        ):
+            assert types is not None, "a rotary embedding per layer type needs config.layer_types"
+            self.rope_types = [types[i] for i in layers]
 
     def __call__(self, x: Tensor, cache: StageCache, step: DecodeStep) -> Tensor:
+        outside = self.outside
         if self.embed is not None:
             x = self.embed(x)
+            if "embedding_multiplier" in outside:
+                x = x * outside["embedding_multiplier"]
             if self.positions is not None:
                 x = x + self.positions(step.positions).to(x.device)
             if self.dropout is not None:
                 x = self.dropout(x)
-        rotary = self.rotary(x, step.positions) if self.rotary is not None else None
         masks: dict[int | None, Tensor] = {}
-        for (_, layer), window in zip(self.layers, self.windows):
+        tables: dict[str | None, Any] = {}
+        for (_, layer), window, kind in zip(self.layers, self.windows, self.rope_types):
             if window not in masks:
                 masks[window] = step.mask(x.dtype, window)
             kwargs: dict[str, Any] = {self.keyword: cache}
-            if rotary is not None:
-                kwargs["position_embeddings"] = rotary
+            if self.rotary is not None:
+                if kind not in tables:
+                    typed = {} if kind is None else {"layer_type": kind}
+                    tables[kind] = self.rotary(x, step.positions, **typed)
+                kwargs["position_embeddings"] = tables[kind]
             x = layer(
                 x,
                 attention_mask=masks[window],
@@ -175,6 +191,14 @@ class _HFStage:
         if self.last:
             assert self.norm is not None and self.head is not None
             x = self.head(self.norm(x[:, -1:]))
+            # NOTE: in the order and the form the models' own forwards write them
+            if "logits_scaling" in outside:
+                x = x / outside["logits_scaling"]
+            if "logit_scale" in outside:
+                x = x * outside["logit_scale"]
+            if "final_logit_softcapping" in outside:
+                cap = outside["final_logit_softcapping"]
+                x = torch.tanh(x / cap) * cap
         return x
 
 
@@ -199,14 +223,6 @@ def hf_programs(model: nn.Module, stages: Sequence[nn.Module]) -> list[StageProg
             f"{type(model).__name__} is not a Hugging Face causal LM laid out as Llama "
             "(model.layers, model.embed_tokens, model.norm, lm_head) or GPT-2 (transformer.h, "
             "wte, ln_f, lm_head): give each layer forward_cached and pipe an nn.Sequential "
-            "(see gpipe.generation.programs)"
-        )
-    unapplied = _unapplied_settings(model.config)
-    if unapplied:
-        raise TypeError(
-            f"{type(model).__name__} sets {', '.join(unapplied)}, which its forward applies "
-            "outside the decoder layers that generate() calls, so the tokens would differ "
-            "from its own generate: give each layer forward_cached and pipe an nn.Sequential "
             "(see gpipe.generation.programs)"
         )
     count = len(list(model.get_submodule(layout.layers).children()))
