@@ -10,6 +10,9 @@ from pathlib import Path
 import pytest
 
 from gpipe.cli import main
+from gpipe.demo.recipe import PROMPTS, Corpus, DemoSettings
+from gpipe.demo.speeches import write_speeches
+from gpipe.demo.training import build_model
 
 
 def result_of(out: str) -> dict[str, str]:
@@ -29,10 +32,14 @@ def check_outputs(out: str, folder: Path, *, stages: int) -> dict[str, str]:
         assert 0 <= float(result[name]) < 1, name
     assert float(result["plain_step"]) > 0 and float(result["pipe_step"]) > 0
     assert "ROMEO:" in out and "plain training" in out
+    # the speeches: written through the pipe, and alike by the plain model in one process
+    assert result["speeches_same"] == "yes"
+    assert "MACBETH:" in out and "the same speeches both ways, to the character" in out
+    assert float(result["generate_seconds"]) > 0 and float(result["plain_generate_seconds"]) > 0
     # the pipe against plain training: a verdict, or why this run cannot tell
     assert re.search(r"the pipe (costs|is) .*x|this run cannot tell plain training", out)
     assert "turns, load " in out
-    for name in ("timeline.png", "loss.png"):
+    for name in ("timeline.png", "loss.png", "generation.png"):
         assert (folder / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
     trace = json.loads((folder / "trace.json").read_text())
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
@@ -42,7 +49,8 @@ def check_outputs(out: str, folder: Path, *, stages: int) -> dict[str, str]:
     report = (folder / "report.md").read_text()
     assert "![loss curve](loss.png)" in report
     assert "![measured and predicted timeline](timeline.png)" in report
-    assert "ROMEO:" in report
+    assert "ROMEO:" in report and "Both ways wrote the same speeches" in report
+    assert "(generation.png)" in report
     return result
 
 
@@ -66,6 +74,17 @@ def test_demo_runs_schedules_without_a_textbook_formula(
     result = result_of(capsys.readouterr().out)
     assert 0 <= float(result["bubble"]) < 1
     assert (tmp_path / "report.md").exists()
+
+
+def test_the_demo_pipe_writes_the_plain_models_speeches_on_a_v_shaped_layout() -> None:
+    # two stages per device, folded as a V: the lanes still take the turn the plain model copies
+    settings = DemoSettings(stages=3, schedule="zb-v")
+    corpus = Corpus.load(settings.seed)
+    speeches = write_speeches(settings, corpus, build_model(settings, corpus), [1, 1, 1, 1, 1, 2])
+    assert speeches.piped == speeches.plain
+    assert [speech.split("\n")[0] + "\n" for speech in speeches.piped] == list(PROMPTS)
+    assert len(speeches.piped[-1]) == corpus.config.context  # the longest prompt fills it
+    assert speeches.stats.lanes == len(PROMPTS) and len(speeches.stats.cache_bytes) == 6
 
 
 def test_distributed_demo_writes_the_same_files_from_two_processes(

@@ -11,11 +11,11 @@ import torch
 from gpipe.data import shakespeare
 from gpipe.models import CharTokenizer, GPTConfig, char_config, windows
 
-__all__ = ["PROMPT", "Corpus", "DemoSettings", "check", "learning_rate"]
+__all__ = ["PROMPTS", "Corpus", "DemoSettings", "check", "learning_rate"]
 
 HELD_OUT = 0.1  # the last tenth of the text is only ever validated on
 VALIDATION_WINDOWS = 64
-PROMPT = "ROMEO:\n"  # where the demo's sample starts
+PROMPTS = ("ROMEO:\n", "JULIET:\n", "HAMLET:\n", "MACBETH:\n")  # where the speeches start
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,8 @@ from gpipe.bench.sparkline import sparkline
 from gpipe.demo.comparison import compare, comparison_rows
 from gpipe.demo.files import Outcome, write_files
 from gpipe.demo.forecast import partition
-from gpipe.demo.recipe import PROMPT, Corpus, DemoSettings, check
+from gpipe.demo.recipe import Corpus, DemoSettings, check
+from gpipe.demo.speeches import TEMPERATURE, Speeches, speech_rows, write_speeches
 from gpipe.demo.training import (
     build_model,
     train_distributed,
@@ -23,12 +24,9 @@ from gpipe.demo.training import (
     validation_loss,
     virtual_stages,
 )
-from gpipe.models import generate
 from gpipe.units import format_bytes
 
 __all__ = ["run_demo"]
-
-SAMPLE_LENGTH = 400
 
 
 def run_demo(settings: DemoSettings) -> Outcome:
@@ -72,17 +70,10 @@ def run_demo(settings: DemoSettings) -> Outcome:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        with progress(f"generating a {SAMPLE_LENGTH}-character sample"):
-            tokens = generate(
-                model,
-                corpus.tokenizer.encode(PROMPT),
-                SAMPLE_LENGTH,
-                context=corpus.config.context,
-                generator=torch.Generator().manual_seed(settings.seed),
-            )
+        with progress("writing speeches through the pipe and by the plain model"):
+            speeches = write_speeches(settings, corpus, model, list(parts.balance))
     finally:
         torch.set_num_threads(threads)
-    sample = corpus.tokenizer.decode(tokens)
     with progress("timing plain training beside the pipe"):
         comparison = compare(settings, corpus, list(parts.balance), run.state, run.seconds)
     outcome = Outcome(
@@ -92,7 +83,7 @@ def run_demo(settings: DemoSettings) -> Outcome:
         balance=list(parts.balance),
         profiled_bubble=parts.predicted.bubble,
         validation=(start_loss, end_loss),
-        sample=sample,
+        speeches=speeches,
         comparison=comparison,
         seconds=0.0,
     )
@@ -101,7 +92,7 @@ def run_demo(settings: DemoSettings) -> Outcome:
     _print(outcome)
     print(f"\nWritten to {settings.out}/:")
     for path, what in files:
-        print(f"  {path.name:<14} {what}")
+        print(f"  {path.name:<15} {what}")
     _print_result(outcome)
     return outcome
 
@@ -151,8 +142,7 @@ def _print(outcome: Outcome) -> None:
     ):
         print(f"  {device:<7} {layers:<34} {busy * 1e3:>6.0f} ms {format_bytes(peak):>24}")
 
-    print(f"\nsample (prompt {PROMPT!r}, temperature 0.8):\n")
-    print("  " + outcome.sample.replace("\n", "\n  "))
+    _print_speeches(outcome.speeches, s)
 
     print(f"\nstep time, the same model and {m} micro-batches of {s.batch // m}:")
     for name, seconds, note in comparison_rows(s, comparison):
@@ -165,6 +155,21 @@ def _print(outcome: Outcome) -> None:
             f"  (the {k} stages share {cores} CPU cores here: on one device per stage they "
             "would not wait for each other's cores)"
         )
+
+
+def _print_speeches(speeches: Speeches, s: DemoSettings) -> None:
+    print(
+        f"\nspeeches, through the pipe and by the plain model (temperature {TEMPERATURE}, "
+        f"seed {s.seed}):\n"
+    )
+    for speech in speeches.piped:
+        print("  " + speech.rstrip().replace("\n", "\n  ") + "\n")
+    for name, seconds, note in speech_rows(speeches):
+        print(f"  {name:<17} {seconds:>5.2f} s  {note}")
+    if speeches.same:
+        print("  the same speeches both ways, to the character")
+    else:
+        print(f"  the two ways wrote different speeches for {', '.join(speeches.differing)}")
 
 
 def _print_result(outcome: Outcome) -> None:
@@ -184,6 +189,9 @@ def _print_result(outcome: Outcome) -> None:
         "bubble_predicted": f"{run.predicted.bubble:.4f}",
         "plain_step": f"{c.plain:.4f}",
         "pipe_step": f"{c.pipe:.4f}",
+        "speeches_same": "yes" if outcome.speeches.same else "no",
+        "generate_seconds": f"{outcome.speeches.stats.seconds:.3f}",
+        "plain_generate_seconds": f"{outcome.speeches.plain_seconds:.3f}",
         "seconds": f"{outcome.seconds:.1f}",
     }
     print("RESULT " + " ".join(f"{key}={value}" for key, value in fields.items()))
