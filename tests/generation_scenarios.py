@@ -10,7 +10,7 @@ from torch import nn
 
 import gpipe
 import gpipe.distributed as gd
-from gpipe.models.gpt import GPTConfig, gpt
+from gpipe.models.gpt import GPTConfig, gpt, gpt_loss
 
 
 def _hf(family: str, dtype: torch.dtype) -> nn.Module:
@@ -110,6 +110,7 @@ def sequential_greedy(tokens: int = 8) -> Any:
     """Our nn.Sequential GPT across the ranks: greedy ids and a plain full-recompute loop."""
     torch.manual_seed(0)
     model = gpt(GPTConfig(vocab=50, context=32, layers=4, dropout=0.0)).double().eval()
+    reference_state = {k: v.clone() for k, v in model.state_dict().items()}
     ids = torch.randint(0, 50, (4, 5), generator=torch.Generator().manual_seed(2))
     expected = ids
     with torch.no_grad():
@@ -117,8 +118,23 @@ def sequential_greedy(tokens: int = 8) -> Any:
             expected = torch.cat([expected, model(expected)[:, -1].argmax(-1, keepdim=True)], 1)
     pipe = gd.DistributedGPipe(model, chunks=2, timeout=30)
     out = pipe.generate(ids, max_new_tokens=tokens, lanes=2)
+    # and training goes on in the same pipe: a step after generating is plain training's
+    plain = gpt(GPTConfig(vocab=50, context=32, layers=4, dropout=0.0)).double()
+    plain.load_state_dict(reference_state)
+    x, y = expected[:, :-1], expected[:, 1:]
+    gpt_loss(plain(x), y).backward()
+    loss = pipe.train_step(x, y, gpt_loss)
+    grads = {n: p.grad for n, p in model.named_parameters() if p.device.type != "meta"}
+    worst = max(
+        float((g - dict(plain.named_parameters())[n].grad).abs().max()) for n, g in grads.items()
+    )
     pipe.close()
-    return {"equal": torch.equal(out, expected)}
+    return {
+        "equal": torch.equal(out, expected),
+        "loss": float(loss),
+        "grad": worst,
+        "checked": len(grads),
+    }
 
 
 class Raising(nn.Module):

@@ -48,9 +48,12 @@ def test_four_ranks_generate_greedily_as_hugging_face_does_in_float32() -> None:
         assert result["llama/wire"] == {str(s): _hidden_bytes() // 2 for s in range(3)}
 
 
-def test_a_sequential_model_generates_across_ranks_as_a_plain_greedy_loop() -> None:
+def test_a_sequential_model_generates_across_ranks_as_a_plain_loop_then_trains_on() -> None:
     results = check(launch("generation_scenarios:sequential_greedy", 2))
     assert [r["equal"] for r in results] == [True, True]
+    for result in results:  # a training step after generating: plain training's gradients
+        assert result["grad"] < 1e-12 and result["checked"] > 0, result
+    assert results[0]["loss"] == results[1]["loss"]
 
 
 def test_a_stage_that_raises_while_decoding_ends_every_rank_naming_it() -> None:
