@@ -15,8 +15,7 @@ from gpipe.balance.optimizer_state import OptimizerSpec
 from gpipe.core.pipe_core import PipeCore
 from gpipe.core.targets import LossFn, check_train_arguments, weighted_loss
 from gpipe.dataflow import Stages
-from gpipe.generation.local import fit_locally, generate_locally
-from gpipe.generation.memory import CacheFit
+from gpipe.generation.local import LocalGeneration
 from gpipe.local_layout import (
     Device,
     check_placement,
@@ -38,7 +37,6 @@ from gpipe.skip import has_skippables
 from gpipe.skip import stages as skip_stages
 from gpipe.structure import leaves
 from gpipe.tied import TiedParameters
-from gpipe.units import parse_bytes
 
 if TYPE_CHECKING:  # planning sits above the pipe: only its types are named here
     from gpipe.planning.plan_report import Plan, PlanOrReport
@@ -51,7 +49,7 @@ _MOVING_DENIED = (
 )
 
 
-class GPipe(PipeCore):
+class GPipe(PipeCore, LocalGeneration):
     """Run an ``nn.Sequential`` (or :class:`~gpipe.Stages`) as a pipeline of stages over
     micro-batches (GPipe).
 
@@ -447,93 +445,6 @@ class GPipe(PipeCore):
         self._run(step, schedule, batch.parts)
         backward_into_input(step, batch.parts)
         return weighted_total(loss.weights, step.state.losses)
-
-    @torch.no_grad()
-    def generate(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        *,
-        max_new_tokens: int,
-        do_sample: bool = False,
-        temperature: float = 1.0,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        eos_token_id: int | Sequence[int] | None = None,
-        pad_token_id: int | None = None,
-        lanes: int | None = None,
-        generator: torch.Generator | None = None,
-    ) -> torch.Tensor:
-        """Generate tokens through the pipe, each stage keeping its own KV cache.
-
-        The rows decode in ``lanes`` lanes that take turns: a lane's next token enters the
-        first stage as soon as the last stage sampled it, so with at least one lane per
-        device every device stays busy (see :func:`gpipe.schedule.decode`). Only hidden
-        states cross stages; each stage's cache stays on its device. Greedy ids are Hugging
-        Face ``generate``'s; sampling follows its warpers (see :mod:`gpipe.generation`).
-
-        Works for stages that :func:`gpipe.split` cut from a Hugging Face causal LM (Llama,
-        Qwen2, Mistral, GPT-2 and their look-alikes, cut at whole decoder layers) and for an
-        nn.Sequential whose layers follow :mod:`gpipe.generation.programs`' protocol.
-        ``pipe.generation_stats`` then holds what the run did (KV bytes per stage, bytes sent,
-        tokens per second); ``pipe.generation_timeline`` what each device ran.
-
-        Args:
-            input_ids: ``[rows, length]`` prompts, left-padded to one length.
-            attention_mask: ``[rows, length]`` 1 at tokens, 0 at padding; None: no padding.
-            max_new_tokens: tokens to generate per row at most.
-            do_sample, temperature, top_k, top_p: as HF's (``top_k=None`` keeps every token).
-            eos_token_id: id(s) that finish a row; finished rows emit ``pad_token_id``
-                (default: the first eos id), and the output ends once every row finished.
-            lanes: lanes to cut the rows into (default: one per device, at most one per row).
-            generator: the random stream to sample from; None: torch's global one.
-
-        Returns:
-            ``[rows, length + new]`` ids: the prompt, then the new tokens.
-        """
-        names, source = self._generation_sources()
-        settings = dict(
-            max_new_tokens=max_new_tokens,
-            do_sample=do_sample,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            eos_token_id=eos_token_id,
-            pad_token_id=pad_token_id,
-        )
-        ids, self.generation_stats, decoder = generate_locally(
-            self._stages, source, names, input_ids, attention_mask, lanes, generator, settings
-        )
-        self.generation_timeline = decoder.timeline()
-        return ids
-
-    def generation_fit(
-        self, memory_per_device: int | str, *, length: int, rows: int = 1
-    ) -> list[CacheFit]:
-        """Per device, what fits while generating: rows of ``length`` positions (prompt plus
-        new tokens), and positions for ``rows`` rows, beside its weights in the budget.
-
-        Each stage's KV bytes per row and position are measured by a one-row probe, so any
-        model :meth:`generate` takes is covered. Activations of one forward are left out.
-
-        Args:
-            memory_per_device: bytes, or a size such as ``"16GiB"``.
-            length: prompt plus new tokens per row.
-            rows: the rows to find the longest length for.
-        """
-        budget = (
-            parse_bytes(memory_per_device)
-            if isinstance(memory_per_device, str)
-            else memory_per_device
-        )
-        names, source = self._generation_sources()
-        return fit_locally(self._stages, source, names, budget, length, rows)
-
-    def _generation_sources(self) -> tuple[list[list[str]] | None, nn.Module | None]:
-        """What decodes each stage: the layer names of a Sequential, or the split model."""
-        if self._flow is None:
-            return [list(partition._modules) for partition in self.partitions], None
-        return None, getattr(self._flow, "source", None)
 
     def close(self) -> None:
         """End the pipe's worker threads now instead of when the pipe is garbage collected.
