@@ -49,7 +49,7 @@ class DecodeStep:
             key_mask = prompt_mask
         else:
             positions = prompt_mask.long().sum(-1, keepdim=True) + token - 1
-            cache_position = torch.tensor([length + token - 1], device=device)
+            cache_position = torch.arange(length + token - 1, length + token, device=device)
             ones = torch.ones(rows, token, dtype=prompt_mask.dtype, device=device)
             key_mask = torch.cat([prompt_mask, ones], dim=1)
         return cls(token, positions, cache_position, key_mask)

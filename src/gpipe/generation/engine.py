@@ -85,7 +85,11 @@ class Decoder:
         self.last = len(self.programs) - 1
         self.caches: dict[tuple[int, int], StageCache] = {}
         self._stopping: dict[int, Stopping] = {}
-        self._steps: dict[tuple[int, int, int], DecodeStep] = {}  # (stage, lane, token)
+        # Per lane: its prompt mask on each torch.device, and its newest step on each pipeline
+        # device (whose stages share it; that device's thread alone writes it).
+        self._masks: dict[tuple[int, torch.device], Tensor] = {}
+        self._steps: dict[tuple[int, int], DecodeStep] = {}
+        self._held = [0] * (max(self.placement) + 1)  # cache bytes per pipeline device
         self.events: list[list[Event]] = [[] for _ in range(max(self.placement) + 1)]
         self._origin = time.perf_counter_ns()
         self._error: BaseException | None = None
@@ -183,19 +187,36 @@ class Decoder:
             program = self.programs[stage]
             assert program is not None, f"stage {stage} is not held here"
             cache = self.caches.setdefault((stage, index), StageCache())
-            out = program(x, cache, DecodeStep.of(lane.mask, token, self.stage_devices[stage]))
+            before = cache.nbytes
+            out = program(x, cache, self._step(index, token, device, self.stage_devices[stage]))
+            self._held[device] += cache.nbytes - before
         if stage == self.last:
             self._sample(lane, out, token, i)
         else:
             self.transport.send((ACTIVATION, stage + 1, i), out)
         if self.after is not None:
             self.after(action)
-        held = sum(c.nbytes for (s, _), c in self.caches.items() if self.placement[s] == device)
+        held = self._held[device]
         origin = self._origin
         end = time.perf_counter_ns()
         self.events[device].append(
             Event(action, (start - origin) / 1e9, (end - origin) / 1e9, held, held)
         )
+
+    def _step(self, lane: int, token: int, device: int, where: torch.device) -> DecodeStep:
+        """Lane ``lane``'s step for forward ``token`` on pipeline ``device`` (``where``),
+        made once per device.
+
+        NOTE: the prompt mask goes to the device once per lane; each step after is made
+        there by kernels alone, so no forward waits for a copy from the host.
+        """
+        step = self._steps.get((lane, device))
+        if step is None or step.token != token:
+            mask = self._masks.get((lane, where))
+            if mask is None:
+                mask = self._masks[(lane, where)] = self.lanes[lane].mask.to(where)
+            step = self._steps[(lane, device)] = DecodeStep.of(mask, token, where)
+        return step
 
     def _finished(self, lane: int) -> bool:
         stopping = self._stopping.get(lane)
