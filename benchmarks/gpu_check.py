@@ -41,6 +41,11 @@ Sections:
   beside bare Python threads, on this host's cores.
 - plan: the planner's predicted peak memory against the CUDA allocator's after a real step
   (Adam's state in place), and the headroom ``Plan.calibrate`` makes of them.
+- generate (after backward, so that it takes no time from the others): ``pipe.generate``
+  on a GPT-2-small config (random init, 12 layers, d=768) split into 4 stages on one GPU,
+  8 prompt rows of 32 tokens, 128 new tokens, greedy, at 1 lane and at 8 lanes, against
+  Hugging Face's ``model.generate`` on the same model and GPU: tokens/s and their ratio.
+  Needs ``transformers`` (skipped without it).
 
 The report's last line is ``RESULT key=value ...``.
 """
@@ -84,6 +89,7 @@ _CASE_TIMEOUT = {
     "overhead": 60.0,
     "plan": 60.0,
     "backward": 15.0,
+    "generate": 120.0,
 }
 _SECTION_TIMEOUT = {
     "tests": 60.0,
@@ -93,6 +99,7 @@ _SECTION_TIMEOUT = {
     "overhead": 70.0,
     "plan": 70.0,
     "backward": 60.0,
+    "generate": 150.0,
 }
 
 
@@ -696,6 +703,70 @@ def section_plan(args: argparse.Namespace) -> Iterator[tuple[str, Callable[[], s
     yield "plan headroom", measure
 
 
+def section_generate(args: argparse.Namespace) -> Iterator[tuple[str, Callable[[], str]]]:
+    """``pipe.generate`` through 4 stages on one GPU against ``model.generate`` whole."""
+
+    def measure() -> str:
+        from functools import partial
+
+        import torch
+
+        try:
+            from transformers import GPT2Config, GPT2LMHeadModel
+        except ImportError:
+            return "skipped: transformers is not installed"
+        from gpipe import GPipe, split
+
+        device = _device()
+        if args.smoke:
+            config = GPT2Config(vocab_size=97, n_embd=32, n_layer=4, n_head=4, n_positions=64)
+            prompt, tokens = 8, 8
+        else:  # GPT-2 small's shape
+            config = GPT2Config(n_embd=768, n_layer=12, n_head=12, n_positions=1024)
+            prompt, tokens = 32, 128
+        config.bos_token_id = config.eos_token_id = None  # every row runs all its tokens
+        torch.manual_seed(0)
+        model: Any = GPT2LMHeadModel(config)
+        model = model.to(device).eval()
+        ids = torch.randint(0, config.vocab_size, (8, prompt), device=device)
+        per = config.n_layer // 4
+        cuts = [f"transformer.h.{per * s}" for s in range(1, 4)]
+        stages = split(model, cuts, example_inputs={"input_ids": ids})
+        pipe = GPipe(stages, devices=[device] * 4, checkpoint="never")
+        runs: dict[str, Callable[[], Any]] = {
+            "hf": partial(model.generate, ids, attention_mask=torch.ones_like(ids),
+                          max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False,
+                          pad_token_id=0),
+        }  # fmt: skip
+        for lanes in (1, 8):
+            runs[f"lanes={lanes}"] = partial(pipe.generate, ids, max_new_tokens=tokens, lanes=lanes)
+        times: dict[str, list[float]] = {name: [] for name in runs}
+        outputs: dict[str, Any] = {}
+        for turn in range(1 + (1 if args.smoke else 3)):  # the first: warm-up
+            for name, run in runs.items():
+                _sync()
+                began = time.perf_counter()
+                outputs[name] = run()
+                _sync()
+                if turn:
+                    times[name].append(time.perf_counter() - began)
+        rate = {name: 8 * tokens / statistics.median(t) for name, t in times.items()}
+        lines = [f"8 rows, {prompt} prompt + {tokens} new tokens, greedy, 4 stages on {device}; "
+                 f"medians of {len(times['hf'])}"]  # fmt: skip
+        for name, tok_s in rate.items():
+            same = (outputs[name] == outputs["hf"])[:, prompt:].float().mean().item()
+            lines.append(f"  {name:<8} {tok_s:9.1f} tok/s  x hf {tok_s / rate['hf']:.3f}  "
+                         f"new ids as hf's: {same:.3f}")  # fmt: skip
+            key = name.replace("=", "")
+            _result(f"generate_{key}_tok_s", f"{tok_s:.1f}")
+            if name != "hf":
+                _result(f"generate_{key}_over_hf", f"{tok_s / rate['hf']:.3f}")
+        pipe.close()
+        return "pipe.generate vs model.generate:\n" + "\n".join(lines)
+
+    yield "generate tokens/s", measure
+
+
 SECTIONS: dict[str, Callable[[argparse.Namespace], Iterator[tuple[str, Callable[[], str]]]]] = {
     "parity": section_parity,
     "speed": section_speed,
@@ -703,6 +774,7 @@ SECTIONS: dict[str, Callable[[argparse.Namespace], Iterator[tuple[str, Callable[
     "overhead": section_overhead,
     "plan": section_plan,
     "backward": section_parity,
+    "generate": section_generate,
 }
 
 
