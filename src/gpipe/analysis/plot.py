@@ -241,8 +241,11 @@ def _draw_memory(ax: Axes, timeline: Timeline) -> None:
     ax.set_ylim(bottom=0)
     ax.set_ylabel("memory", fontsize=8)
     ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: format_memory(v, timeline.unit)))
+    decoding = all(e.action.kind == "F" for device in timeline.events for e in device)
     ax.set_title(
-        "held for backward, per device (faint: with a running backward's work; dot: peak)",
+        "KV cache held, per device (dot: peak)"
+        if decoding and timeline.schedule == "decode"
+        else "held for backward, per device (faint: with a running backward's work; dot: peak)",
         loc="left",
         fontsize=10,
     )
