@@ -134,7 +134,7 @@ def test_the_readme_cites_the_saved_runs_of_its_headline_figures() -> None:
     # the figures the README leads with, and the file each must come from
     expected = {
         "0.021": "docs/report/report.md",
-        "155": "docs/demo/report.md",
+        "220": "docs/demo/report.md",
         "0.172": "benchmarks/runs/overhead_turns.txt",
         "1.069": "benchmarks/runs/latency.txt",
         "3.2e-16": "benchmarks/runs/gpu_check.txt",
