@@ -41,6 +41,13 @@ AdamW's two moments) and the peak resident memory of the process:
 
     python benchmarks/compute.py --distributed --dp 2 --pp 2
 
+With ``--engines`` as well it measures instead the data-parallel engines of the same D x P
+pipe in turns, in the same processes: gpipe's own all-reduce ("replicate"), torch's DDP and
+FSDP2 per stage (see gpipe.distributed.data_parallel; "fsdp_gathered" keeps the parameters
+gathered between forwards), each rank's model state as held:
+
+    python benchmarks/compute.py --distributed --dp 2 --pp 2 --engines
+
 With ``--layers`` it asks where a 2-stage pipeline's shortfall goes: each rank times every
 forward of its two transformer layers (wall and the thread's own CPU time, by forward
 hooks), run three ways in turns in the same two processes: the rank's stage alone, forward
@@ -290,6 +297,82 @@ def layout_step(dp: int, pp: int, m: int, steps: int) -> dict[str, float]:
     }
 
 
+# label: (data_parallel, fsdp_reshard_after_forward)
+ENGINES = {
+    "replicate": ("replicate", True),
+    "ddp": ("ddp", True),
+    "fsdp": ("fsdp", True),
+    "fsdp_gathered": ("fsdp", False),
+}
+
+
+def engine_turns(dp: int, pp: int, m: int, steps: int, rounds: int) -> dict[str, Any]:
+    """On every rank: each engine's pipe, in turns; per engine the median step over every
+    turn (rank 0's clock, each step ends at a barrier) and this rank's model-state bytes."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    gd.init()
+    x, y = _batch(MODELS["transformer"][1])
+    steps_of: dict[str, Callable[[], None]] = {}
+    state: dict[str, int] = {}
+    for engine in ENGINES:
+        model = transformer()
+        pipe = gd.DistributedGPipe(
+            model, [len(model) // pp] * pp, chunks=m, schedule="1f1b", checkpoint="never",
+            dp_size=dp, data_parallel=ENGINES[engine][0],
+            fsdp_reshard_after_forward=ENGINES[engine][1],
+        )  # fmt: skip
+        optimizer = pipe.make_optimizer(torch.optim.AdamW, lr=1e-4)
+
+        def step(pipe: Any = pipe, optimizer: Any = optimizer) -> None:
+            pipe.train_step(x, y, F.mse_loss)
+            optimizer.step()
+            optimizer.zero_grad()
+
+        steps_of[engine] = step
+        local = [p.to_local() if isinstance(p, DTensor) else p for p in pipe.parameters()]
+        state[engine] = _state_bytes(local)  # type: ignore[arg-type]
+    runs: dict[str, list[float]] = {engine: [] for engine in ENGINES}
+    for _ in range(rounds):
+        for engine in ENGINES:
+            for i in range(steps + 1):
+                dist.barrier()
+                began = time.perf_counter()
+                steps_of[engine]()
+                dist.barrier()
+                if i:
+                    runs[engine].append(time.perf_counter() - began)
+    return {"step": {e: statistics.median(r) for e, r in runs.items()}, "state": state}
+
+
+def run_engines(args: argparse.Namespace) -> None:
+    """The engines of one D x P layout, in turns: a table and a RESULT line."""
+    world = args.dp * args.pp
+    m = args.microbatches[0]
+    ranks = gd.spawn(engine_turns, world, args.dp, args.pp, m, args.steps, args.rounds, threads=1)
+    step = ranks[0]["step"]
+    state = {e: max(r["state"][e] for r in ranks.values()) for e in ENGINES}
+    print(
+        f"transformer (4 layers, d=256), global batch 64, dp{args.dp} x pp{args.pp}, "
+        f"{world} processes x 1 thread, M={m} per pipeline, 1f1b, AdamW, "
+        f"{args.rounds} turns x {args.steps} steps"
+    )
+    print(f"{'engine':>14} {'step ms':>9} {'of replicate':>13} {'state MiB/rank':>15}")
+    for e in ENGINES:
+        print(
+            f"{e:>14} {step[e] * 1e3:9.1f} {step[e] / step['replicate']:13.3f} "
+            f"{state[e] / 2**20:15.1f}"
+        )
+    print(
+        f"RESULT engines dp={args.dp} pp={args.pp} microbatches={m} "
+        + " ".join(f"{e}_ms={step[e] * 1e3:.1f}" for e in ENGINES)
+        + f" ddp_over_replicate={step['ddp'] / step['replicate']:.3f}"
+        + f" fsdp_over_replicate={step['fsdp'] / step['replicate']:.3f} "
+        + " ".join(f"state_mib_{e}={state[e] / 2**20:.1f}" for e in ENGINES)
+    )
+
+
 def run_layouts(args: argparse.Namespace) -> None:
     """D x P against a P*D pipeline and DDP over D*P ranks, same global batch."""
     world = args.dp * args.pp
@@ -449,6 +532,9 @@ def run(args: argparse.Namespace) -> None:
                 f"--dp {args.dp} --pp {args.pp}: give both, with --pp 2 or 4 (the transformer "
                 "has 4 layers)"
             )
+        if args.engines:
+            run_engines(args)
+            return
         run_layouts(args)
         return
     if args.layers:
@@ -526,6 +612,9 @@ def main() -> None:
     parser.add_argument("--no-torch", action="store_true", help="skip torch.distributed.pipelining")
     parser.add_argument("--dp", type=int, default=0, help="replicas (with --pp): layouts mode")
     parser.add_argument("--pp", type=int, default=0, help="pipeline stages (with --dp)")
+    parser.add_argument(
+        "--engines", action="store_true", help="with --dp/--pp: the data-parallel engines"
+    )
     parser.add_argument(
         "--layers", action="store_true", help="a layer's forward alone vs inside each pipeline"
     )

@@ -40,6 +40,11 @@ from gpipe.distributed.construction import (
     model_balance,
     planned,
 )
+from gpipe.distributed.data_parallel import (
+    check_data_parallel,
+    check_untied,
+    data_parallel_for,
+)
 from gpipe.distributed.failure import PipelineFailure
 from gpipe.distributed.generation import generate_distributed
 from gpipe.distributed.guard import PipeGuard
@@ -47,7 +52,6 @@ from gpipe.distributed.header import Header, LossBroadcast, agree
 from gpipe.distributed.mesh import device as default_device
 from gpipe.distributed.naming import user_view
 from gpipe.distributed.rank_timelines import gather_timeline
-from gpipe.distributed.replicas import gradient_sync
 from gpipe.loss import weighted_total
 from gpipe.microbatch import Batch, BatchDims, gather, microbatch_sizes
 from gpipe.runtime.caller import backward_into_input, collect_outputs
@@ -83,6 +87,14 @@ class DistributedGPipe(PipeCore):
         virtual_stages: model stages per rank (2 for "zb-v").
         dp_size: replicas of the pipeline; each runs on its part of the batch and the
             gradients are summed over them.
+        data_parallel: how the replicas sum their gradients: "replicate" (gpipe's own
+            all-reduce, the default), "ddp" (torch's DistributedDataParallel per stage) or
+            "fsdp" (torch's ``fully_shard`` per stage: parameters, gradients and optimizer
+            state sharded over the replicas, gradients as DTensors); see
+            :mod:`gpipe.distributed.data_parallel` for what each runs.
+        fsdp_reshard_after_forward: with "fsdp", free each stage's gathered parameters
+            after every forward (less memory, one all-gather per forward); False keeps
+            them gathered through the step's forwards and backwards.
         zero: with ``make_optimizer``, shard optimizer state over the replicas
             (``torch.distributed.optim.ZeroRedundancyOptimizer``).
         tied: pairs of parameter names (as in the user's model) to keep tied; a Parameter
@@ -120,6 +132,8 @@ class DistributedGPipe(PipeCore):
         schedule: str | Schedule = "gpipe",
         virtual_stages: int = 1,
         dp_size: int = 1,
+        data_parallel: str = "replicate",
+        fsdp_reshard_after_forward: bool = True,
         zero: bool = False,
         tied: Sequence[tuple[str, str]] = (),
         init_fn: Callable[[nn.Module], None] | None = None,
@@ -167,7 +181,17 @@ class DistributedGPipe(PipeCore):
             self.__dict__["_flow"] = flow
             routes = None if flow is None else Routes(flow.dataflow)
             self._schedules: dict[int, Schedule] = {}
-            placement = self._schedule_for(self.chunks).placement
+            first_schedule = self._schedule_for(self.chunks)
+            placement = first_schedule.placement
+            check_data_parallel(
+                data_parallel,
+                fsdp_reshard_after_forward,
+                dp=self.layout.dp,
+                zero=zero,
+                tied=tied,
+                module=module,
+                split_backward=first_schedule.split_backward,
+            )
             check_alike(
                 module,
                 {
@@ -177,6 +201,7 @@ class DistributedGPipe(PipeCore):
                     "checkpoint": self.checkpoint,
                     "virtual_stages": virtual_stages,
                     "dp_size": dp_size,
+                    "data_parallel": [data_parallel, fsdp_reshard_after_forward],
                     "zero": zero,
                 },
                 self._guard,
@@ -192,6 +217,7 @@ class DistributedGPipe(PipeCore):
                 init_fn,
                 routes,
             )
+            check_untied(data_parallel, self.layout.dp, self._rank)
             barrier(self._guard)
             self.partitions = nn.ModuleList([p for p in self._rank.held if p is not None])
             self._keep_deferred(self.partitions)
@@ -211,6 +237,13 @@ class DistributedGPipe(PipeCore):
             self.groups = self._connections.groups
             self.mesh = self.groups.mesh
             self._transport = self._connections.transport
+            self._data_parallel = data_parallel_for(
+                data_parallel,
+                fsdp_reshard_after_forward,
+                self._rank,
+                self.layout,
+                self.groups,
+            )
             self._ran = False  # whether this rank ran its actions of the step under way
 
     # -- training ----------------------------------------------------------------------
@@ -273,15 +306,7 @@ class DistributedGPipe(PipeCore):
                     replica=self.layout.replica,
                     whole=self._whole_batch,
                 )
-            sync = None
-            if self.layout.dp > 1:
-                sync = gradient_sync(
-                    self._stages.module,
-                    self.local_stages,
-                    schedule,
-                    self.layout.position,
-                    self.groups.replicas,
-                )
+            sync = self._data_parallel.sync(schedule)
             shared = LossBroadcast(
                 self._guard,
                 self._rank_of(self._stages.last),
@@ -322,6 +347,7 @@ class DistributedGPipe(PipeCore):
             batch, header = self._begin(input, kwargs, local_batch, "eval_step")
             forwards = self._schedule_for(header.microbatches).only([FORWARD])
             step = self._step(forwards, header, batch, grad=False)
+            self._data_parallel.settle()
             header.settle(self._guard)
             if not self._holds(self._stages.last):
                 return None
@@ -365,6 +391,7 @@ class DistributedGPipe(PipeCore):
             eos_token_id=eos_token_id,
             pad_token_id=pad_token_id,
         )
+        self._data_parallel.refuse("generate")
         self._ran = False
         self._guard.state = None
         with self._guard.stepping(lambda: self._ran):
@@ -409,6 +436,7 @@ class DistributedGPipe(PipeCore):
         Raises:
             RuntimeError: ``error_if_nonfinite`` and the norm is nan or inf (on every rank).
         """
+        self._data_parallel.refuse("clip_grad_norm_")
         with self._guard.stepping(lambda: True):
             self._agree_on("clip_grad_norm_")
         elsewhere = self._connections.tied.counted_elsewhere()
@@ -498,6 +526,7 @@ class DistributedGPipe(PipeCore):
         newest ``keep`` (see :mod:`gpipe.distributed.checkpoint`)."""
         from gpipe.distributed.checkpoint import save
 
+        self._data_parallel.refuse("save")
         return save(self, path, optimizer=optimizer, extra=extra, keep=keep)
 
     def load(self, path: str | os.PathLike[str], *, optimizer: Any = None) -> dict[str, Any]:
@@ -505,6 +534,7 @@ class DistributedGPipe(PipeCore):
         :func:`gpipe.distributed.checkpoint.load`, and its trust model)."""
         from gpipe.distributed.checkpoint import load
 
+        self._data_parallel.refuse("load")
         return load(self, path, optimizer=optimizer)
 
     def close(self) -> None:

@@ -1,0 +1,226 @@
+"""What the ranks of the data-parallel engine tests run (see test_data_parallel_engines.py).
+
+Each scenario trains a DistributedGPipe under one engine ("replicate", "ddp", "fsdp") and
+plain PyTorch on the same model and whole batch, computed by every rank itself, and returns
+the largest differences: loss, every gradient this rank holds (FSDP's gathered to full
+tensors), the eval output, and the parameters after optimizer steps.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+import gpipe.distributed as gd
+import gpipe.distributed.data_parallel as engines
+from gpipe.dataflow import Dataflow, Stages
+from gpipe.distributed.failure import PipelineFailure
+from gpipe.planning.candidates import stages_per_device
+
+WIDTH = 6
+
+
+def mlp(layers: int = 4) -> nn.Sequential:
+    torch.manual_seed(0)
+    blocks: list[nn.Module] = []
+    for _ in range(layers):
+        blocks += [nn.Linear(WIDTH, WIDTH), nn.Tanh()]
+    return nn.Sequential(*blocks).double()
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor gathered (a collective over its mesh), a plain tensor as it is."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((_full(a).detach().double() - b.detach().double()).abs().max())
+
+
+def _grad_diff(model: nn.Module, reference: nn.Module) -> tuple[float, int]:
+    """The largest gradient difference over this rank's parameters, and how many it held."""
+    worst, held = 0.0, 0
+    ref = dict(reference.named_parameters())
+    for name, param in model.named_parameters():
+        if param.device.type == "meta":
+            continue
+        assert param.grad is not None, f"{name} on rank {dist.get_rank()} has no gradient"
+        worst = max(worst, _diff(param.grad, ref[name].grad))
+        held += 1
+    return worst, held
+
+
+def _param_diff(model: nn.Module, reference: nn.Module) -> float:
+    ref = dict(reference.named_parameters())
+    return max(
+        (_diff(p, ref[n]) for n, p in model.named_parameters() if p.device.type != "meta"),
+        default=0.0,
+    )
+
+
+COUNTS: Counter[str] = Counter()
+COUNTING: list[bool] = []
+
+
+def _counted(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        COUNTS[name] += 1
+        return fn(*args, **kwargs)
+
+    return counted
+
+
+def _count_collectives() -> None:
+    """Count FSDP's all-gathers and reduce-scatters and DDP's bucket reductions."""
+    if not COUNTING:
+        COUNTING.append(True)
+        dist.all_gather_single = _counted("all_gather", dist.all_gather_single)
+        dist.reduce_scatter_single = _counted("reduce_scatter", dist.reduce_scatter_single)
+        engines._summed = _counted("ddp_bucket", engines._summed)  # type: ignore[assignment]
+
+
+def parity(
+    engine: str,
+    schedules: list[str],
+    batch: int = 7,
+    chunks: int = 2,
+    checkpoint: str = "except_last",
+    reshard: bool = True,
+    optimizer: str = "AdamW",
+    clip: bool = False,
+) -> dict[str, Any]:
+    """Per schedule: two training steps (an eval and an optimizer step between, another
+    after) under ``engine`` on pp=2 x dp=2, against plain training on the whole batch."""
+    world = dist.get_world_size()
+    torch.manual_seed(1)
+    xs = [torch.randn(batch, WIDTH, dtype=torch.float64) for _ in range(2)]
+    ys = [torch.randn(batch, WIDTH, dtype=torch.float64) for _ in range(2)]
+    loss_fn = nn.functional.mse_loss
+    make: Any = getattr(torch.optim, optimizer)
+    settings: dict[str, Any] = {"lr": 0.05}
+    results: dict[str, Any] = {}
+    _count_collectives()
+    for schedule in schedules:
+        reference = mlp()
+        ref_opt = make(reference.parameters(), **settings)
+        model = mlp()
+        pipe = gd.DistributedGPipe(
+            model,
+            chunks=chunks,
+            schedule=schedule,
+            checkpoint=checkpoint,
+            virtual_stages=stages_per_device(schedule),
+            dp_size=2,
+            data_parallel=engine,
+            fsdp_reshard_after_forward=reshard,
+            timeout=30,
+        )
+        opt = pipe.make_optimizer(make, **settings)
+        diffs: dict[str, float] = {"loss": 0.0, "grad": 0.0, "eval": 0.0, "norm": 0.0}
+        for step, (x, y) in enumerate(zip(xs, ys)):
+            ref_opt.zero_grad()
+            ref_loss = loss_fn(reference(x), y)
+            ref_loss.backward()
+            opt.zero_grad()
+            COUNTS.clear()
+            loss = pipe.train_step(x, y, loss_fn)
+            diffs.update({f"step {step} {k}": float(n) for k, n in COUNTS.items()})
+            diffs["loss"] = max(diffs["loss"], _diff(loss, ref_loss))
+            grad, held = _grad_diff(model, reference)
+            diffs["grad"] = max(diffs["grad"], grad)
+            diffs["held"] = held
+            if clip:
+                norm = pipe.clip_grad_norm_(0.1)
+                ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.1)
+                diffs["norm"] = max(diffs["norm"], _diff(norm, ref_norm))
+                diffs["grad"] = max(diffs["grad"], _grad_diff(model, reference)[0])
+            if step == 0:  # an eval between the backward and the optimizer step
+                out = pipe.eval_step(x)
+                replica = dist.get_rank() // (world // 2)
+                part = x[:4] if replica == 0 else x[4:]
+                if out is not None:
+                    diffs["eval"] = _diff(out, reference(part).detach())
+            opt.step()
+            ref_opt.step()
+        diffs["params"] = _param_diff(model, reference)
+        diffs["sharded"] = float(any(isinstance(p, DTensor) for p in pipe.parameters()))
+        results[schedule] = diffs
+        pipe.close()
+    return results
+
+
+# In the order run: refused before any group is made, then by a built pipe's methods, then
+# the tie found while cutting the stages (a failed construction ends its groups: last).
+REFUSALS = [
+    "unknown",
+    "not_a_string",
+    "reshard_not_a_bool",
+    "ddp_zero",
+    "fsdp_zero",
+    "ddp_declared_tie",
+    "fsdp_meta",
+    "fsdp_zero_bubble",
+    "ddp_dataflow",
+    "ddp_save",
+    "fsdp_load",
+    "fsdp_clip",
+    "fsdp_generate",
+    "fsdp_shared_parameter",
+]
+
+
+def refusals() -> dict[str, str]:
+    """Every case of :data:`REFUSALS`: the error it raised, on this rank."""
+    return {case: _refused(case) for case in REFUSALS}
+
+
+def _refused(case: str) -> str:
+    engine = "fsdp" if case.startswith("fsdp") else "ddp"
+    kwargs: dict[str, Any] = {"dp_size": 2, "timeout": 30, "data_parallel": engine}
+    model = mlp()
+    call: Callable[[gd.DistributedGPipe], Any] | None = None
+    if case == "unknown":
+        kwargs["data_parallel"] = "zero3"
+    elif case == "not_a_string":
+        kwargs["data_parallel"] = 3
+    elif case == "reshard_not_a_bool":
+        kwargs["fsdp_reshard_after_forward"] = "yes"
+    elif case.endswith("zero") and case != "unknown":
+        kwargs["zero"] = True
+    elif case == "ddp_declared_tie":
+        kwargs["tied"] = [("0.weight", "6.weight")]
+    elif case == "fsdp_shared_parameter":
+        model[6].weight = model[0].weight  # one Parameter on both stages
+    elif case == "fsdp_meta":
+        with torch.device("meta"):
+            model = mlp()
+    elif case == "fsdp_zero_bubble":
+        kwargs["schedule"] = "zb-h1"
+    elif case == "ddp_dataflow":
+        model = Stages([model[:4], model[4:]], Dataflow.chain(2))
+    elif case == "ddp_save":
+        call = lambda pipe: pipe.save("/nonexistent/never-written")  # noqa: E731
+    elif case == "fsdp_load":
+        call = lambda pipe: pipe.load("/nonexistent/never-read")  # noqa: E731
+    elif case == "fsdp_clip":
+        call = lambda pipe: pipe.clip_grad_norm_(1.0)  # noqa: E731
+    elif case == "fsdp_generate":
+        call = lambda pipe: pipe.generate(torch.zeros(1, 2, dtype=torch.long), max_new_tokens=1)  # noqa: E731
+    try:
+        pipe = gd.DistributedGPipe(model, **kwargs)
+        if call is not None:
+            try:
+                call(pipe)
+            finally:
+                pipe.close()
+    except (ValueError, TypeError, PipelineFailure) as error:
+        return f"{type(error).__name__}: {error}"
+    return ""

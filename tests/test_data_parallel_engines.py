@@ -1,0 +1,129 @@
+"""The pipeline under torch's own data-parallel engines: DDP and FSDP2 per stage, on pp=2 x
+dp=2 (gloo), equal to plain training on the whole batch, and what they refuse."""
+
+from __future__ import annotations
+
+import pytest
+
+from ranks import check, launch
+
+EXACT = 1e-12  # float64: only round-off may differ
+
+
+def assert_plain(results: list[dict], schedules: list[str]) -> None:
+    """Loss, every held gradient, eval output and parameters after two optimizer steps
+    equal plain training's on every rank."""
+    for rank, result in enumerate(results):
+        assert sorted(result) == sorted(schedules), result
+        for schedule, diffs in result.items():
+            assert diffs["held"] == 4, (rank, schedule, diffs)  # 2 Linear layers each
+            for key in ("loss", "grad", "eval", "params", "norm"):
+                assert diffs[key] < EXACT, (rank, schedule, key, diffs)
+
+
+@pytest.mark.timeout(120)
+def test_ddp_gradients_steps_and_clipping_equal_plain_training_on_uneven_replicas() -> None:
+    # a batch of 7 splits 4 + 3 over the replicas, 2 micro-batches each
+    schedules = ["gpipe", "1f1b"]
+    results = check(
+        launch(
+            "engine_scenarios:parity", 4, engine="ddp", schedules=schedules, clip=True, timeout=100
+        )
+    )
+    assert_plain(results, schedules)
+    for result in results:
+        for diffs in result.values():
+            assert diffs["sharded"] == 0.0
+            # one bucket per stage, reduced once per step, not once per micro-batch
+            assert diffs["step 0 ddp_bucket"] == diffs["step 1 ddp_bucket"] == 1.0, diffs
+
+
+@pytest.mark.timeout(120)
+def test_fsdp_gradients_and_optimizer_steps_equal_plain_training_on_uneven_replicas() -> None:
+    schedules = ["gpipe", "1f1b"]
+    results = check(
+        launch("engine_scenarios:parity", 4, engine="fsdp", schedules=schedules, timeout=100)
+    )
+    assert_plain(results, schedules)
+    for result in results:
+        for diffs in result.values():
+            assert diffs["sharded"] == 1.0  # the parameters are DTensors
+            assert diffs["step 0 reduce_scatter"] == diffs["step 1 reduce_scatter"] == 1.0, diffs
+
+
+@pytest.mark.timeout(120)
+def test_fsdp_without_reshard_after_forward_gathers_each_stage_once_per_step() -> None:
+    results = check(
+        launch(
+            "engine_scenarios:parity",
+            4,
+            engine="fsdp",
+            schedules=["1f1b"],
+            checkpoint="always",
+            reshard=False,
+            optimizer="SGD",
+            timeout=100,
+        )
+    )
+    assert_plain(results, ["1f1b"])
+    for result in results:
+        diffs = result["1f1b"]
+        for step in (0, 1):
+            assert diffs[f"step {step} all_gather"] == 1.0, diffs
+            assert diffs[f"step {step} reduce_scatter"] == 1.0, diffs
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    ("engine", "schedules", "checkpoint"),
+    [
+        ("ddp", ["zb-h1", "interleaved"], "except_last"),
+        ("ddp", ["1f1b"], "never"),
+        ("fsdp", ["interleaved"], "always"),
+        ("fsdp", ["gpipe", "1f1b"], "never"),
+    ],
+)
+def test_engines_equal_plain_training_in_more_schedules_and_checkpoint_modes(
+    engine: str, schedules: list[str], checkpoint: str
+) -> None:
+    results = check(
+        launch(
+            "engine_scenarios:parity",
+            4,
+            engine=engine,
+            schedules=schedules,
+            checkpoint=checkpoint,
+            timeout=280,
+        )
+    )
+    assert_plain(results, schedules)
+
+
+REFUSED = {
+    "unknown": "ValueError: data_parallel must be one of 'replicate', 'ddp', 'fsdp', got 'zero3'",
+    "not_a_string": "TypeError: data_parallel must be one of",
+    "reshard_not_a_bool": "TypeError: fsdp_reshard_after_forward must be True or False",
+    "ddp_zero": "zero=True with data_parallel='ddp' is not supported",
+    "fsdp_zero": "FSDP shards the optimizer state itself",
+    "ddp_declared_tie": "tied weights",
+    "fsdp_meta": "meta device with data_parallel='fsdp'",
+    "fsdp_zero_bubble": "zero-bubble schedule",
+    "ddp_dataflow": "a dataflow model (Stages",
+    "ddp_save": "pipe.save with data_parallel='ddp' is not supported yet",
+    "fsdp_load": "pipe.load with data_parallel='fsdp'",
+    "fsdp_clip": "pipe.clip_grad_norm_ with data_parallel='fsdp'",
+    "fsdp_generate": "pipe.generate with data_parallel='fsdp'",
+    "fsdp_shared_parameter": "tied weights",
+}
+
+
+@pytest.mark.timeout(120)
+def test_what_the_engines_do_not_run_yet_is_refused_on_every_rank_naming_the_fix() -> None:
+    for result in check(launch("engine_scenarios:refusals", 4, timeout=100)):
+        assert list(result) == list(REFUSED)
+        for case, expected in REFUSED.items():
+            error = result[case]
+            assert expected in error, (case, error)
+            if case not in ("unknown", "not_a_string", "reshard_not_a_bool"):
+                assert "data_parallel='replicate'" in error, (case, error)
