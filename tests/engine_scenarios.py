@@ -3,12 +3,14 @@
 Each scenario trains a DistributedGPipe under one engine ("replicate", "ddp", "fsdp") and
 plain PyTorch on the same model and whole batch, computed by every rank itself, and returns
 the largest differences: loss, every gradient this rank holds (FSDP's gathered to full
-tensors), the eval output, and the parameters after optimizer steps.
+tensors), the eval output, and the parameters after optimizer steps; or, with dropout, the
+differences from "replicate", which draws the same streams (plain training draws others).
 """
 
 from __future__ import annotations
 
 import functools
+import os
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -27,11 +29,13 @@ from gpipe.planning.candidates import stages_per_device
 WIDTH = 6
 
 
-def mlp(layers: int = 4) -> nn.Sequential:
-    torch.manual_seed(0)
+def mlp(layers: int = 4, seed: int = 0, dropout: float = 0.0) -> nn.Sequential:
+    torch.manual_seed(seed)
     blocks: list[nn.Module] = []
     for _ in range(layers):
         blocks += [nn.Linear(WIDTH, WIDTH), nn.Tanh()]
+        if dropout:
+            blocks.append(nn.Dropout(dropout))
     return nn.Sequential(*blocks).double()
 
 
@@ -137,9 +141,13 @@ def parity(
             grad, held = _grad_diff(model, reference)
             diffs["grad"] = max(diffs["grad"], grad)
             diffs["held"] = held
-            if clip:
-                norm = pipe.clip_grad_norm_(0.1)
-                ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.1)
+            if clip:  # the 2-norm after the first step, the max-norm after the second
+                kind = 2.0 if step == 0 else float("inf")
+                norm = pipe.clip_grad_norm_(0.1, norm_type=kind)
+                ref_norm = torch.nn.utils.clip_grad_norm_(
+                    reference.parameters(), 0.1, norm_type=kind
+                )
+                assert ref_norm > 0.1, ref_norm  # so the gradients were scaled
                 diffs["norm"] = max(diffs["norm"], _diff(norm, ref_norm))
                 diffs["grad"] = max(diffs["grad"], _grad_diff(model, reference)[0])
             if step == 0:  # an eval between the backward and the optimizer step
@@ -157,6 +165,91 @@ def parity(
     return results
 
 
+def _batches(batch: int = 7) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    torch.manual_seed(1)
+    xs = [torch.randn(batch, WIDTH, dtype=torch.float64) for _ in range(2)]
+    ys = [torch.randn(batch, WIDTH, dtype=torch.float64) for _ in range(2)]
+    return xs, ys
+
+
+def resumed(saves: list[str], loads: list[list[Any]], batch: int = 7) -> dict[str, float]:
+    """A checkpoint saved after one optimizer step on pp=2 x dp=2 under each engine of
+    ``saves``, loaded (model and AdamW state) into fresh pipes of other weights under each
+    ``[engine, dp_size]`` of ``loads``, each trained one more step: the largest parameter
+    difference from plain training's two steps, per ``"saved -> loaded dp"``."""
+    xs, ys = _batches(batch)
+    loss_fn = nn.functional.mse_loss
+    reference = mlp()
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=0.05)
+    for x, y in zip(xs, ys):
+        ref_opt.zero_grad()
+        loss_fn(reference(x), y).backward()
+        ref_opt.step()
+    folder = os.environ["GPIPE_TEST_DIR"]
+    results: dict[str, float] = {}
+    for saved in saves:
+        path = f"{folder}/{saved}"
+        model = mlp()
+        pipe = gd.DistributedGPipe(
+            model, chunks=2, schedule="1f1b", dp_size=2, data_parallel=saved, timeout=30
+        )
+        opt = pipe.make_optimizer(torch.optim.AdamW, lr=0.05)
+        pipe.train_step(xs[0], ys[0], loss_fn)
+        opt.step()
+        pipe.save(path, optimizer=opt, extra={"step": 1})
+        pipe.close()
+        for engine, dp in loads:
+            model = mlp(seed=7)
+            pipe = gd.DistributedGPipe(
+                model, chunks=2, schedule="1f1b", dp_size=dp, data_parallel=engine, timeout=30
+            )
+            opt = pipe.make_optimizer(torch.optim.AdamW, lr=0.05)
+            assert pipe.load(path, optimizer=opt) == {"step": 1}
+            opt.zero_grad()
+            pipe.train_step(xs[1], ys[1], loss_fn)
+            opt.step()
+            results[f"{saved} -> {engine} dp={dp}"] = _param_diff(model, reference)
+            pipe.close()
+    return results
+
+
+def dropout_alike(engines_run: list[str], checkpoint: str = "always") -> dict[str, float]:
+    """A model with dropout, one training step under each engine (the same step seed):
+    the largest difference of each engine's gradients from ``"replicate"``'s."""
+    xs, ys = _batches()
+    grads: dict[str, dict[str, torch.Tensor]] = {}
+    for engine in ["replicate", *engines_run]:
+        model = mlp(dropout=0.3)
+        pipe = gd.DistributedGPipe(
+            model,
+            chunks=2,
+            schedule="1f1b",
+            checkpoint=checkpoint,
+            dp_size=2,
+            data_parallel=engine,
+            timeout=30,
+        )
+        torch.manual_seed(5)
+        pipe.train_step(xs[0], ys[0], nn.functional.mse_loss)
+        grads[engine] = {
+            name: _full(p.grad).detach().clone()
+            for name, p in model.named_parameters()
+            if p.device.type != "meta" and p.grad is not None
+        }
+        pipe.close()
+    reference = mlp(dropout=0.3).eval()  # the same model, dropping nothing
+    nn.functional.mse_loss(reference(xs[0]), ys[0]).backward()
+    kept = dict(reference.named_parameters())
+    results = {
+        "held": float(len(grads["replicate"])),
+        "dropped": max(_diff(g, kept[n].grad) for n, g in grads["replicate"].items()),
+    }
+    for engine in engines_run:
+        assert grads[engine].keys() == grads["replicate"].keys(), engine
+        results[engine] = max(_diff(grads[engine][n], g) for n, g in grads["replicate"].items())
+    return results
+
+
 # In the order run: refused before any group is made, then by a built pipe's methods, then
 # the tie found while cutting the stages (a failed construction ends its groups: last).
 REFUSALS = [
@@ -169,11 +262,9 @@ REFUSALS = [
     "fsdp_meta",
     "fsdp_zero_bubble",
     "ddp_dataflow",
-    "ddp_save",
-    "fsdp_load",
-    "fsdp_clip",
     "fsdp_generate",
     "fsdp_shared_parameter",
+    "fsdp_uneven_microbatches",
 ]
 
 
@@ -206,14 +297,12 @@ def _refused(case: str) -> str:
         kwargs["schedule"] = "zb-h1"
     elif case == "ddp_dataflow":
         model = Stages([model[:4], model[4:]], Dataflow.chain(2))
-    elif case == "ddp_save":
-        call = lambda pipe: pipe.save("/nonexistent/never-written")  # noqa: E731
-    elif case == "fsdp_load":
-        call = lambda pipe: pipe.load("/nonexistent/never-read")  # noqa: E731
-    elif case == "fsdp_clip":
-        call = lambda pipe: pipe.clip_grad_norm_(1.0)  # noqa: E731
     elif case == "fsdp_generate":
         call = lambda pipe: pipe.generate(torch.zeros(1, 2, dtype=torch.long), max_new_tokens=1)  # noqa: E731
+    elif case == "fsdp_uneven_microbatches":  # 3 samples over 2 replicas: 2 and 1 micro-batches
+        kwargs["chunks"] = 2
+        x = torch.randn(3, WIDTH, dtype=torch.float64)
+        call = lambda pipe: pipe.train_step(x, x, nn.functional.mse_loss)  # noqa: E731
     try:
         pipe = gd.DistributedGPipe(model, **kwargs)
         if call is not None:

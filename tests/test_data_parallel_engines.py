@@ -39,10 +39,13 @@ def test_ddp_gradients_steps_and_clipping_equal_plain_training_on_uneven_replica
 
 
 @pytest.mark.timeout(120)
-def test_fsdp_gradients_and_optimizer_steps_equal_plain_training_on_uneven_replicas() -> None:
+def test_fsdp_gradients_clipping_and_steps_equal_plain_training_on_uneven_replicas() -> None:
+    # clipping: the norm of every rank's DTensor shards, over pp and dp, is the whole model's
     schedules = ["gpipe", "1f1b"]
     results = check(
-        launch("engine_scenarios:parity", 4, engine="fsdp", schedules=schedules, timeout=100)
+        launch(
+            "engine_scenarios:parity", 4, engine="fsdp", schedules=schedules, clip=True, timeout=100
+        )
     )
     assert_plain(results, schedules)
     for result in results:
@@ -100,6 +103,46 @@ def test_engines_equal_plain_training_in_more_schedules_and_checkpoint_modes(
     assert_plain(results, schedules)
 
 
+@pytest.mark.timeout(120)
+def test_an_fsdp_checkpoint_resumes_under_every_engine_and_layout_as_plain_training() -> None:
+    # saved by pp=2 x dp=2 as DTensor shards (model and AdamW state); loaded into fresh
+    # pipes of other weights: the same layout, full tensors under DDP, pp=4 x dp=1, and
+    # pp=1 x dp=4 (shards of 2, 2, 2 and 0 rows)
+    loads = [["fsdp", 2], ["ddp", 2], ["replicate", 1], ["fsdp", 4]]
+    results = check(
+        launch("engine_scenarios:resumed", 4, saves=["fsdp"], loads=loads, batch=8, timeout=100)
+    )
+    for result in results:
+        assert len(result) == len(loads), result
+        for case, diff in result.items():
+            assert diff < EXACT, (case, result)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_ddp_checkpoint_resumes_sharded_under_fsdp_and_on_other_layouts() -> None:
+    loads = [["fsdp", 2], ["ddp", 2], ["ddp", 1], ["fsdp", 4]]
+    results = check(
+        launch("engine_scenarios:resumed", 4, saves=["ddp"], loads=loads, batch=8, timeout=280)
+    )
+    for result in results:
+        assert len(result) == len(loads), result
+        for case, diff in result.items():
+            assert diff < EXACT, (case, result)
+
+
+@pytest.mark.timeout(120)
+def test_dropout_draws_alike_under_every_engine() -> None:
+    # checkpoint="always": each recomputation under FSDP's gathered parameters replays the
+    # forward's draws; "replicate" is the reference (plain training draws other streams)
+    for result in check(
+        launch("engine_scenarios:dropout_alike", 4, engines_run=["ddp", "fsdp"], timeout=100)
+    ):
+        assert result["held"] == 4, result
+        assert result["dropped"] > 1e-3, result  # the dropout did change the gradients
+        assert result["ddp"] < EXACT and result["fsdp"] < EXACT, result
+
+
 REFUSED = {
     "unknown": "ValueError: data_parallel must be one of 'replicate', 'ddp', 'fsdp', got 'zero3'",
     "not_a_string": "TypeError: data_parallel must be one of",
@@ -110,11 +153,9 @@ REFUSED = {
     "fsdp_meta": "meta device with data_parallel='fsdp'",
     "fsdp_zero_bubble": "zero-bubble schedule",
     "ddp_dataflow": "a dataflow model (Stages",
-    "ddp_save": "pipe.save with data_parallel='ddp' is not supported yet",
-    "fsdp_load": "pipe.load with data_parallel='fsdp'",
-    "fsdp_clip": "pipe.clip_grad_norm_ with data_parallel='fsdp'",
     "fsdp_generate": "pipe.generate with data_parallel='fsdp'",
     "fsdp_shared_parameter": "tied weights",
+    "fsdp_uneven_microbatches": "every replica must run the same number of micro-batches",
 }
 
 

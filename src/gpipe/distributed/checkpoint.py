@@ -5,7 +5,9 @@ Every parameter and buffer is saved under its fully qualified name in the user's
 ``torch.distributed.checkpoint.state_dict``), so the keys do not depend on the layout: a
 checkpoint saved by 4 ranks with balance [2, 2, 2, 2] loads into 2 ranks with [4, 4], or
 into a pipe with data-parallel replicas, or (after :func:`consolidate`) into the plain model
-in one process.
+in one process. Under ``data_parallel="fsdp"`` the parameters and optimizer state are
+DTensors: each replica saves its shard, and a load fills whatever each rank holds (a shard
+or the whole tensor), so such a checkpoint too loads into any layout and engine.
 
 ``path`` is a folder of numbered checkpoints (see :mod:`gpipe.distributed.checkpoint_folder`):
 a crash at any moment of a save leaves the newest complete one loadable. What is saved is

@@ -21,6 +21,13 @@
 The micro-batch losses are weighted over the whole batch (see :mod:`gpipe.loss`), so the
 whole batch's gradient is the *sum* over the replicas: every engine sums (DDP through its
 comm hook, FSDP with a divide factor of 1), exact for uneven replica parts too.
+
+The pipe's other methods need nothing from the engine but :attr:`DataParallel.shards_over`:
+``clip_grad_norm_`` combines the norms of FSDP's gradient shards over the replicas too (see
+:mod:`gpipe.distributed.clipping`), and checkpoints hold FSDP's parameters and optimizer
+state as the DTensors they are, which torch.distributed.checkpoint saves shard by shard
+under the user's names and loads into any engine and layout (DDP's modules are the user's
+layers, unwrapped). What still runs under "replicate" only is refused, naming the fix.
 """
 
 # NOTE: no `from __future__ import annotations`: DDP checks its comm hook's annotations as
@@ -144,6 +151,8 @@ class DataParallel:
         self._local = list(local)
         self._position = position
         self._group = group
+        # the group whose ranks each hold a shard of every gradient (FSDP's replicas)
+        self.shards_over: Any = None
 
     def sync(self, schedule: Schedule) -> Any:
         """What sums one training step's gradients: an object with ``after(action)``,
@@ -156,6 +165,9 @@ class DataParallel:
 
     def settle(self) -> None:
         """After a step without backward: nothing to put back."""
+
+    def check_microbatches(self, count: int, wait: Callable[[Any], None]) -> None:
+        """Before a step of ``count`` micro-batches on this replica: nothing to agree on."""
 
     def refuse(self, call: str) -> None:
         """Refuse a pipe method that does not run under this engine yet.
@@ -172,8 +184,7 @@ class DataParallel:
 
 
 _REFUSED = {
-    "ddp": ("save", "load"),
-    "fsdp": ("save", "load", "clip_grad_norm_", "generate"),
+    "fsdp": ("generate",),
 }
 
 
@@ -294,6 +305,7 @@ class _Fsdp(DataParallel):
         super().__init__("fsdp", stages, local, position, group)
         from torch.distributed.fsdp import fully_shard
 
+        self.shards_over = group
         self._sharded: dict[int, Any] = {}
         for stage in self._local:
             module = stages.module(stage)
@@ -313,6 +325,27 @@ class _Fsdp(DataParallel):
         return _ShardReductions(
             {last[s]: m for s, m in self._sharded.items() if s in last}, self._sharded
         )
+
+    def check_microbatches(self, count: int, wait: Callable[[Any], None]) -> None:
+        """Refuse a step whose replicas run different numbers of micro-batches.
+
+        NOTE: FSDP gathers a stage's parameters per forward (and per backward), so replicas
+        that run more micro-batches would call collectives the others never meet: the job
+        would wait out the group's timeout instead of failing.
+
+        Raises:
+            ValueError: on every rank, naming the fix.
+        """
+        counts = torch.tensor([count, -count], dtype=torch.int64)
+        wait(dist.all_reduce(counts, op=dist.ReduceOp.MAX, group=self._group, async_op=True))
+        most, fewest = int(counts[0]), -int(counts[1])
+        if most != fewest:
+            raise ValueError(
+                f"with data_parallel='fsdp' every replica must run the same number of "
+                f"micro-batches, but they run {fewest} to {most} (a replica's part of the "
+                "batch has fewer samples than chunks): give a batch of at least chunks x "
+                "dp_size samples, or use data_parallel='replicate'"
+            )
 
     def settle(self) -> None:
         # NOTE: a forward without reshard_after_forward leaves the parameters gathered; an

@@ -290,6 +290,7 @@ class DistributedGPipe(PipeCore):
         check_flag("local_batch", local_batch)
         with self._guard.stepping(lambda: self._ran):
             batch, header = self._begin(input, kwargs, local_batch, "train_step")
+            self._data_parallel.check_microbatches(header.microbatches, self._guard.wait)
             schedule = self._schedule_for(header.microbatches)
             loss = None
             if self._holds(self._stages.last):
@@ -345,6 +346,7 @@ class DistributedGPipe(PipeCore):
         """
         with self._guard.stepping(lambda: self._ran):
             batch, header = self._begin(input, kwargs, local_batch, "eval_step")
+            self._data_parallel.check_microbatches(header.microbatches, self._guard.wait)
             forwards = self._schedule_for(header.microbatches).only([FORWARD])
             step = self._step(forwards, header, batch, grad=False)
             self._data_parallel.settle()
@@ -430,13 +432,13 @@ class DistributedGPipe(PipeCore):
 
         The norm is over every parameter of every stage (a tied weight counted once), as
         ``torch.nn.utils.clip_grad_norm_`` on the plain model computes it; every rank gets
-        the same total norm and scales its gradients alike. Every rank must call it, after
-        ``train_step`` (the replicas' gradients are already summed then).
+        the same total norm and scales its gradients alike (under ``data_parallel="fsdp"``,
+        each rank its shards). Every rank must call it, after ``train_step`` (the replicas'
+        gradients are already summed then).
 
         Raises:
             RuntimeError: ``error_if_nonfinite`` and the norm is nan or inf (on every rank).
         """
-        self._data_parallel.refuse("clip_grad_norm_")
         with self._guard.stepping(lambda: True):
             self._agree_on("clip_grad_norm_")
         elsewhere = self._connections.tied.counted_elsewhere()
@@ -446,6 +448,7 @@ class DistributedGPipe(PipeCore):
             parameters,
             max_norm,
             self.groups.control,
+            shards_over=self._data_parallel.shards_over,
             norm_type=norm_type,
             error_if_nonfinite=error_if_nonfinite,
             foreach=foreach,
@@ -526,7 +529,6 @@ class DistributedGPipe(PipeCore):
         newest ``keep`` (see :mod:`gpipe.distributed.checkpoint`)."""
         from gpipe.distributed.checkpoint import save
 
-        self._data_parallel.refuse("save")
         return save(self, path, optimizer=optimizer, extra=extra, keep=keep)
 
     def load(self, path: str | os.PathLike[str], *, optimizer: Any = None) -> dict[str, Any]:
@@ -534,7 +536,6 @@ class DistributedGPipe(PipeCore):
         :func:`gpipe.distributed.checkpoint.load`, and its trust model)."""
         from gpipe.distributed.checkpoint import load
 
-        self._data_parallel.refuse("load")
         return load(self, path, optimizer=optimizer)
 
     def close(self) -> None:
