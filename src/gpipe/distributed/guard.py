@@ -153,9 +153,14 @@ class PipeGuard:
         except BaseException as error:
             if self.transport.failure is None and not ran():
                 self.transport.abort(error)
-            if self.transport.failure is not None or isinstance(error, PipelineFailure):
+            failure = self.transport.failure
+            if failure is not None or isinstance(error, PipelineFailure):
                 self.faults.acknowledge(self.world)
                 self.release()
+            # NOTE: a link that broke inside this rank's own compute (a collective of FSDP or
+            # DDP, whose peer failed) is a symptom: name the culprit, as a wait would
+            if failure is not None and failure.rank != self.rank and broken_link(error):
+                raise PipelineFailure(failure, self.rank) from error
             raise
 
     @contextlib.contextmanager

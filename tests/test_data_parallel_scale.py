@@ -1,0 +1,33 @@
+"""The data-parallel engines on 8 ranks (pp x dp both ways) against plain training, and a
+rank failing inside an engine's step ending every rank, naming it."""
+
+from __future__ import annotations
+
+import pytest
+
+from ranks import check, launch
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", ["ddp", "fsdp"])
+@pytest.mark.parametrize("dp", [2, 4])
+def test_eight_ranks_train_as_plain_training_under_every_engine(engine: str, dp: int) -> None:
+    schedules = ["gpipe", "1f1b"]
+    for result in check(launch("engine_scale_scenarios:layouts", 8, timeout=240, engine=engine,
+                               dp=dp, schedules=schedules)):  # fmt: skip
+        for schedule in schedules:
+            diffs = result[schedule]
+            assert diffs["loss"] < 1e-12 and diffs["grad"] < 1e-12, (schedule, diffs)
+            assert diffs["param"] < 1e-12 and diffs["held"] > 0, (schedule, diffs)
+
+
+@pytest.mark.parametrize("engine", ["ddp", "fsdp"])
+def test_a_rank_raising_inside_an_engines_step_ends_every_rank_naming_it(engine: str) -> None:
+    outcomes = launch("engine_scale_scenarios:fails_inside", 4, timeout=120, engine=engine, rank=1)
+    assert [o.returncode for o in outcomes] == [1] * 4, [o.error[-1500:] for o in outcomes]
+    assert "RuntimeError: boom inside an fsdp step on rank 1" in outcomes[1].error
+    for outcome in outcomes:
+        assert "rank 1" in outcome.error and "boom inside" in outcome.error, outcome.error[-2000:]
+    assert max(o.seconds for o in outcomes) < 60, [o.seconds for o in outcomes]
