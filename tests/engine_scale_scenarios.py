@@ -73,3 +73,32 @@ def fails_inside(engine: str, rank: int) -> str:
     for _ in range(2):
         pipe.train_step(x, x, nn.functional.mse_loss)
     return "not raised"
+
+
+def from_plan(engine: str) -> dict[str, Any]:
+    """A plan of a 4-process job under ``engine``: its pp=2 x dp=2 layout built by
+    ``DistributedGPipe.from_plan`` runs that engine and trains as plain training."""
+    from gpipe.planning.planner import plan
+
+    model = mlp(4)
+    x = torch.randn(8, WIDTH, dtype=torch.float64)
+    kwargs = dict(schedules=["1f1b"], checkpoints=["never"], chunks=[2], progress=False)
+    report = plan(model, x, 8, ["cpu"] * 4, world_size=4, data_parallel=engine, repeats=1,
+                  action_overhead=0.0, **kwargs)  # fmt: skip
+    chosen = next(p for p in report.plans if (p.stages, p.dp) == (2, 2))
+    reference = mlp(4)
+    loss_fn = nn.functional.mse_loss
+    ref_loss = loss_fn(reference(x), x)
+    ref_loss.backward()
+    pipe = gd.DistributedGPipe.from_plan(model, chosen, timeout=30)
+    loss = pipe.train_step(x, x, loss_fn)
+    grad, held = _grad_diff(pipe.user_view(), reference)
+    result = {
+        "engine": pipe._data_parallel.name,
+        "described": chosen.describe(),
+        "loss": abs(float(loss) - float(ref_loss)),
+        "grad": grad,
+        "held": held,
+    }
+    pipe.close()
+    return result

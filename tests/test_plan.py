@@ -453,3 +453,41 @@ def test_the_plan_says_why_its_schedule_won_against_every_other_at_its_k_and_m()
     for name in DEFAULT_SCHEDULES:
         assert f" {name} " in line, name
     assert f"{best.schedule} {best.predicted_step * 1e3:.2f} ms" in line
+
+
+def test_fsdp_holds_a_share_of_each_stage_and_the_whole_of_it_within_a_step() -> None:
+    # Two layers, two stages: one balance whatever the measured times (as above).
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))
+    sample = torch.randn(4, 64)
+    kwargs = dict(optimizer="adam", schedules=["1f1b"], chunks=[2], checkpoints=["never"])
+
+    def two_stages(report: PlanReport) -> Plan:
+        return next(p for p in report.plans if p.stages == 2)
+
+    whole = two_stages(quiet_plan(model, sample, 16, 2, dp=4, **kwargs))
+    sharded = two_stages(quiet_plan(model, sample, 16, 2, dp=4, data_parallel="fsdp", **kwargs))
+    assert (sharded.data_parallel, whole.data_parallel) == ("fsdp", "replicate")
+    assert sharded.activation_memory == whole.activation_memory
+    weights = [sum(p.numel() * 4 for p in layer.parameters()) for layer in model]
+    # held whole: weights, gradients, Adam's two moments; under FSDP: a quarter of the
+    # weights and moments, plus the weights gathered and the gradients unsharded
+    held = [w + w + 2 * w for w in weights]
+    shard = [-(-w // 4) + w + w + -(-2 * w // 4) for w in weights]
+    assert [p - a for p, a in zip(whole.peak_memory, whole.activation_memory)] == held
+    assert [p - a for p, a in zip(sharded.peak_memory, sharded.activation_memory)] == shard
+    assert "dp=4 fsdp" in sharded.describe()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        (dict(data_parallel="zero3"), ValueError, "data_parallel must be one of"),
+        (dict(data_parallel=2), TypeError, "data_parallel must be one of"),
+        (dict(data_parallel="fsdp", zero=True, dp=2), ValueError, "FSDP shards the optimizer"),
+    ],
+)
+def test_an_engine_the_pipe_does_not_have_is_refused(
+    kwargs: dict[str, Any], error: type[Exception], message: str
+) -> None:
+    with pytest.raises(error, match=message):
+        quiet_plan(make_mlp(), torch.randn(2, 8), 8, 2, **kwargs)

@@ -130,6 +130,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="with --dp: shard the optimizer state over the replicas (ZeRO-1)",
     )
+    parser.add_argument(
+        "--data-parallel",
+        choices=("replicate", "ddp", "fsdp"),
+        default="replicate",
+        help="with --dp or --world-size: the replicas' engine, as DistributedGPipe's "
+        "data_parallel; fsdp counts 1/dp of each stage's parameters and optimizer state, plus "
+        "its parameters gathered and gradients unsharded within a step (default replicate)",
+    )
     parser.add_argument("--top", type=positive_int, default=5, help="plans to rank (default 5)")
     parser.add_argument("--repeats", type=positive_int, default=5, help="timed runs per layer")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -197,6 +205,7 @@ def run(args: argparse.Namespace) -> int:
             repeats=args.repeats,
             dp=args.dp,
             zero=args.zero,
+            data_parallel=args.data_parallel,
             split_points=args.split_points,
             verify=args.verify,
             verify_top=args.verify_top,

@@ -299,4 +299,6 @@ def planned(module: nn.Module, plan: Any) -> tuple[nn.Sequential | Stages, dict[
     settings = chosen.pipe_kwargs()
     del settings["devices"]  # each rank runs on its own device
     settings.update(dp_size=chosen.dp, zero=chosen.zero)
+    if chosen.dp > 1 and chosen.data_parallel != "replicate":
+        settings["data_parallel"] = chosen.data_parallel
     return cast("nn.Sequential | Stages", chosen.pipe_module(module)), settings

@@ -117,8 +117,11 @@ def evaluate(
     full = [measured.stage_activation_bytes(a, b) for a, b in spans]
     kept = [measured.input_bytes[a] for a, _ in spans]
     stored = [
-        sum(measured.parameter_bytes[a:b] + measured.gradient_bytes[a:b])
-        + replica.optimizer_share(sum(measured.optimizer_bytes[a:b]))
+        replica.model_state(
+            sum(measured.parameter_bytes[a:b]),
+            sum(measured.gradient_bytes[a:b]),
+            sum(measured.optimizer_bytes[a:b]),
+        )
         for a, b in spans
     ]
     placement = (
@@ -169,6 +172,7 @@ def evaluate(
         dp=replica.dp,
         zero=replica.zero,
         world_size=replica.world_size,
+        data_parallel=replica.engine,
     )
 
 
@@ -226,6 +230,8 @@ class Replicas:
             of them); None: every count up to the devices given.
         world_size: the processes of a ``DistributedGPipe`` job laid out this way; None for
             a layout that is not tied to a job's size.
+        engine: how the replicas combine gradients (``DistributedGPipe``'s
+            ``data_parallel``): "replicate" and "ddp" hold each stage whole, "fsdp" shards it.
     """
 
     dp: int
@@ -235,6 +241,7 @@ class Replicas:
     chunk_counts: tuple[int, ...] = (1,)
     stages: int | None = None
     world_size: int | None = None
+    engine: str = "replicate"
 
     def stage_counts(self, most: int) -> range:
         """The stage counts this layout allows, up to ``most``."""
@@ -245,6 +252,20 @@ class Replicas:
     def optimizer_share(self, nbytes: int) -> int:
         """What one replica holds of ``nbytes`` of optimizer state: 1/dp of it under ZeRO."""
         return -(-nbytes // self.dp) if self.zero else nbytes
+
+    def model_state(self, parameters: int, gradients: int, optimizer: int) -> int:
+        """The most of a stage's parameters, gradients and optimizer state one device holds
+        during a step.
+
+        Held whole, they are all there all along (ZeRO: 1/dp of the optimizer state). Under
+        FSDP a device keeps 1/dp of the parameters and optimizer state, and within a step
+        it also holds the stage's parameters gathered whole and its gradients unsharded:
+        the micro-batches accumulate into them until the stage's last backward, when they
+        are reduce-scattered (measured so in ``benchmarks/runs/scale_out.txt``).
+        """
+        if self.engine == "fsdp" and self.dp > 1:
+            return -(-parameters // self.dp) + parameters + gradients + -(-optimizer // self.dp)
+        return parameters + gradients + self.optimizer_share(optimizer)
 
     def step(self, timeline: Timeline, gradient_bytes: list[int]) -> float:
         """The step: each device's last action, then its all-reduce (ring, over the link)."""

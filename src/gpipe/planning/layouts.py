@@ -27,6 +27,7 @@ def layouts(
     bandwidth: float | None,
     chunks: Sequence[int] | None,
     world_size: int | None,
+    engine: str = "replicate",
 ) -> list[Replicas]:
     """The layouts to plan: one for a given ``dp``, or every (pp, dp) of ``world_size``.
 
@@ -37,7 +38,8 @@ def layouts(
     """
     if world_size is None:
         batch = batch_size // dp
-        return [Replicas(dp, zero, bandwidth, batch, tuple(chunk_counts(batch, chunks)))]
+        each = tuple(chunk_counts(batch, chunks))
+        return [Replicas(dp, zero, bandwidth, batch, each, engine=engine)]
     check_int("world_size", world_size)
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1 processes, got {world_size}")
@@ -64,6 +66,7 @@ def layouts(
                 tuple(chunk_counts(batch, counts)),
                 stages=stages,
                 world_size=world_size,
+                engine=engine,
             )
         )
     if not found:

@@ -160,3 +160,22 @@ def check_verify(
             "calibration already holds the per-action cost and the memory headroom: pass "
             f"it alone, without action_overhead={action_overhead!r} or headroom={headroom!r}"
         )
+
+
+def check_engine(data_parallel: object, zero: bool) -> None:
+    """Refuse a data-parallel engine ``DistributedGPipe`` does not have, or ZeRO under FSDP.
+
+    Raises:
+        TypeError, ValueError: as ``DistributedGPipe`` would, naming the choices.
+    """
+    from gpipe.distributed.data_parallel import ENGINES
+
+    if not isinstance(data_parallel, str):
+        raise TypeError(f"data_parallel must be one of {ENGINES}, got {data_parallel!r}")
+    if data_parallel not in ENGINES:
+        raise ValueError(f"data_parallel must be one of {ENGINES}, got {data_parallel!r}")
+    if zero and data_parallel != "replicate":
+        raise ValueError(
+            f"zero=True with data_parallel={data_parallel!r}: ZeRO is the 'replicate' engine's "
+            "(FSDP shards the optimizer state itself): drop zero, or plan 'replicate'"
+        )

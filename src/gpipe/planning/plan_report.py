@@ -70,6 +70,7 @@ class Plan:
     built: Schedule | None = None
     dp: int = 1
     zero: bool = False
+    data_parallel: str = "replicate"
     headroom: float = 1.0
     predicted_high: float | None = None
     world_size: int | None = None
@@ -139,9 +140,11 @@ class Plan:
     def describe(self) -> str:
         """A short name: ``1f1b K=4 M=8 checkpoint=never``."""
         v = f" v={self.virtual_stages}" if self.virtual_stages > 1 else ""
-        dp = f" dp={self.dp}{' zero' if self.zero else ''}" if self.dp > 1 else ""
+        engine = f" {self.data_parallel}" if self.data_parallel != "replicate" else ""
+        shared = f"{' zero' if self.zero else ''}{engine}"
+        dp = f" dp={self.dp}{shared}" if self.dp > 1 else ""
         if self.world_size is not None:
-            dp = f" dp={self.dp}{' zero' if self.zero else ''} of {self.world_size} processes"
+            dp = f" dp={self.dp}{shared} of {self.world_size} processes"
         return (
             f"{self.schedule} K={self.stages}{v} M={self.chunks} checkpoint={self.checkpoint}{dp}"
         )

@@ -30,6 +30,7 @@ from gpipe.planning.measurements import Measurements
 from gpipe.planning.model_units import model_units
 from gpipe.planning.plan_arguments import (
     check_action_overhead,
+    check_engine,
     check_loss_target,
     check_plan_arguments,
     check_verify,
@@ -79,6 +80,7 @@ def plan(
     action_overhead: float | None = None,
     dp: int = 1,
     zero: bool = False,
+    data_parallel: str = "replicate",
     allreduce_bandwidth: float | None = None,
     headroom: float = 1.0,
     split_points: Sequence[str] | None = None,
@@ -143,6 +145,10 @@ def plan(
             ``devices[0]`` (two one-weight stages, a few steps), 0 leaves it out.
         dp: data-parallel replicas of the pipeline; ``batch_size`` is the global batch.
         zero: shard the optimizer state over the replicas (ZeRO-1).
+        data_parallel: the replicas' engine, as ``DistributedGPipe``'s: "replicate" and
+            "ddp" hold each stage whole on every replica; "fsdp" holds 1/dp of its
+            parameters and optimizer state, plus, within a step, its parameters gathered
+            whole and its gradients unsharded.
         allreduce_bandwidth: bytes per second of the replicas' gradient all-reduce; None
             leaves its time out (memory is counted either way).
         headroom: what each predicted peak is multiplied by before it is checked against
@@ -182,6 +188,7 @@ def plan(
             message names the smallest predicted need).
     """
     check_plan_arguments(module, batch_size, top, dp, zero, allreduce_bandwidth, headroom)
+    check_engine(data_parallel, zero)
     check_verify(verify, verify_top, verify_steps, calibration, action_overhead, headroom)
     if verify and world_size is not None:
         raise ValueError(
@@ -202,6 +209,7 @@ def plan(
         bandwidth=allreduce_bandwidth,
         chunks=chunks,
         world_size=world_size,
+        engine=data_parallel,
     )
 
     measure = Measurements(
