@@ -18,7 +18,8 @@ HAS_DISTRIBUTED = importlib.util.find_spec("gpipe.distributed") is not None
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, str]]:
-    """One quick report for every test here (about a minute on 2 busy cores)."""
+    """One quick report for the tests that read it (about a minute on 2 busy cores, so they
+    run in the slow tier; ``test_report_sections_run_alone`` runs a section in make test)."""
     import contextlib
     import io
 
@@ -30,6 +31,7 @@ def report(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, st
     return out, dict(item.split("=", 1) for item in line.split()[1:])
 
 
+@pytest.mark.slow
 def test_quick_report_writes_every_picture_and_section(report: tuple[Path, dict[str, str]]) -> None:
     out, _ = report
     text = (out / "report.md").read_text()
@@ -66,6 +68,7 @@ def test_quick_report_writes_every_picture_and_section(report: tuple[Path, dict[
         assert "**Pending:**" in text
 
 
+@pytest.mark.slow
 def test_quick_report_measures_sensible_values(report: tuple[Path, dict[str, str]]) -> None:
     _, result = report
     assert float(result["grad_max_diff"]) < 1e-12  # float64: pipelined = whole batch
@@ -80,6 +83,7 @@ def test_quick_report_measures_sensible_values(report: tuple[Path, dict[str, str
     assert 1 < float(result["speedup_k8m32"]) < 8
 
 
+@pytest.mark.slow
 def test_the_schedule_table_sets_every_schedule_beside_its_formulas(
     report: tuple[Path, dict[str, str]],
 ) -> None:
@@ -205,6 +209,7 @@ def test_a_silent_phase_shows_what_runs_and_for_how_long() -> None:
     assert quiet.getvalue() == ""
 
 
+@pytest.mark.slow
 def test_quick_report_counts_recomputation_in_flops_and_judges_every_timing(
     report: tuple[Path, dict[str, str]],
 ) -> None:
