@@ -22,7 +22,6 @@ from torch.distributed.tensor import DTensor
 
 import gpipe.distributed as gd
 import gpipe.distributed.data_parallel as engines
-from gpipe.dataflow import Dataflow, Stages
 from gpipe.distributed.failure import PipelineFailure
 from gpipe.planning.candidates import stages_per_device
 
@@ -250,20 +249,16 @@ def dropout_alike(engines_run: list[str], checkpoint: str = "always") -> dict[st
     return results
 
 
-# In the order run: refused before any group is made, then by a built pipe's methods, then
-# the tie found while cutting the stages (a failed construction ends its groups: last).
+# In the order run: refused before any group is made, then by a built pipe's methods (a
+# refusal while building a pipe's groups would end them: see engine_model_scenarios).
 REFUSALS = [
     "unknown",
     "not_a_string",
     "reshard_not_a_bool",
     "ddp_zero",
     "fsdp_zero",
-    "ddp_declared_tie",
-    "fsdp_meta",
     "fsdp_zero_bubble",
-    "ddp_dataflow",
     "fsdp_generate",
-    "fsdp_shared_parameter",
     "fsdp_uneven_microbatches",
 ]
 
@@ -286,17 +281,8 @@ def _refused(case: str) -> str:
         kwargs["fsdp_reshard_after_forward"] = "yes"
     elif case.endswith("zero") and case != "unknown":
         kwargs["zero"] = True
-    elif case == "ddp_declared_tie":
-        kwargs["tied"] = [("0.weight", "6.weight")]
-    elif case == "fsdp_shared_parameter":
-        model[6].weight = model[0].weight  # one Parameter on both stages
-    elif case == "fsdp_meta":
-        with torch.device("meta"):
-            model = mlp()
     elif case == "fsdp_zero_bubble":
         kwargs["schedule"] = "zb-h1"
-    elif case == "ddp_dataflow":
-        model = Stages([model[:4], model[4:]], Dataflow.chain(2))
     elif case == "fsdp_generate":
         call = lambda pipe: pipe.generate(torch.zeros(1, 2, dtype=torch.long), max_new_tokens=1)  # noqa: E731
     elif case == "fsdp_uneven_microbatches":  # 3 samples over 2 replicas: 2 and 1 micro-batches

@@ -149,12 +149,8 @@ REFUSED = {
     "reshard_not_a_bool": "TypeError: fsdp_reshard_after_forward must be True or False",
     "ddp_zero": "zero=True with data_parallel='ddp' is not supported",
     "fsdp_zero": "FSDP shards the optimizer state itself",
-    "ddp_declared_tie": "tied weights",
-    "fsdp_meta": "meta device with data_parallel='fsdp'",
     "fsdp_zero_bubble": "zero-bubble schedule",
-    "ddp_dataflow": "a dataflow model (Stages",
     "fsdp_generate": "pipe.generate with data_parallel='fsdp'",
-    "fsdp_shared_parameter": "tied weights",
     "fsdp_uneven_microbatches": "every replica must run the same number of micro-batches",
 }
 

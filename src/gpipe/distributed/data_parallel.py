@@ -28,6 +28,13 @@ The pipe's other methods need nothing from the engine but :attr:`DataParallel.sh
 state as the DTensors they are, which torch.distributed.checkpoint saves shard by shard
 under the user's names and loads into any engine and layout (DDP's modules are the user's
 layers, unwrapped). What still runs under "replicate" only is refused, naming the fix.
+
+Every model the pipe takes runs under each engine: a dataflow model's stage modules are
+wrapped like a chain's (the workers call the stage module either way, so FSDP's hooks run);
+a model built on meta is materialized (this rank's stages only) before the engine wraps
+it; a weight tied between stages on different ranks is summed over the replicas by each
+holder's engine (under FSDP, shard by shard: a replica's holders hold the same rows) and
+then over the holders.
 """
 
 # NOTE: no `from __future__ import annotations`: DDP checks its comm hook's annotations as
@@ -43,6 +50,7 @@ from torch import nn
 from gpipe.distributed.replicas import gradient_sync, last_gradient_actions
 from gpipe.runtime.stage_set import StageSet
 from gpipe.schedule import Action, Schedule
+from gpipe.split.stage import SplitStage
 
 __all__ = ["ENGINES", "DataParallel", "check_data_parallel", "check_untied", "data_parallel_for"]
 
@@ -55,8 +63,6 @@ def check_data_parallel(
     *,
     dp: int,
     zero: bool,
-    tied: Sequence[Any],
-    module: nn.Module,
     split_backward: bool,
 ) -> None:
     """Refuse an engine that is not one, and what does not run yet under ``"ddp"`` or
@@ -85,18 +91,6 @@ def check_data_parallel(
     if zero:
         hint = "; FSDP shards the optimizer state itself" if name == "fsdp" else ""
         raise ValueError(f"zero=True with data_parallel={name!r} is not supported{hint}: {_FIX}")
-    if tied:
-        _refuse_ties(name)
-    if any(t.is_meta for t in [*module.parameters(), *module.buffers()]):
-        raise ValueError(
-            f"a model built on the meta device with data_parallel={name!r} is not supported "
-            f"yet: build it on the CPU, or {_FIX}"
-        )
-    if not isinstance(module, nn.Sequential):
-        raise ValueError(
-            f"a dataflow model (Stages, from gpipe.split or a Sequential with skips) with "
-            f"data_parallel={name!r} is not supported yet: {_FIX}"
-        )
     if split_backward and name == "fsdp":
         raise ValueError(
             "a zero-bubble schedule (B and W apart) with data_parallel='fsdp' is not supported "
@@ -108,8 +102,12 @@ _FIX = "use data_parallel='replicate' (the default), which runs it"
 
 
 def check_untied(name: str, dp: int, rank: Any) -> None:
-    """Refuse weights tied between stages (found when the stages were cut) under ``"ddp"``
-    or ``"fsdp"``: each stage's engine would reduce a tied weight's gradient on its own.
+    """Refuse one Parameter used by two stages this rank holds under ``"ddp"`` or
+    ``"fsdp"``: each stage's engine would reduce (or shard) it on its own.
+
+    Weights tied between stages on different ranks run under every engine: each holder's
+    engine sums its copy's gradient over the replicas (FSDP: its shard), and the
+    :class:`~gpipe.distributed.ties.TiedWeights` sum the copies over the holders.
 
     Args:
         name: the engine.
@@ -117,19 +115,17 @@ def check_untied(name: str, dp: int, rank: Any) -> None:
         rank: this rank's :class:`~gpipe.distributed.construction.RankStages`.
 
     Raises:
-        ValueError: a weight several stages use, and the engine that runs it.
+        ValueError: a weight two stages of this rank use, and the engine that runs it.
     """
     if name == "replicate" or dp == 1:
         return
-    if rank.ties or _shared([rank.stage_set.module(s) for s in rank.local]):
-        _refuse_ties(name)
-
-
-def _refuse_ties(name: str) -> None:
-    raise ValueError(
-        f"tied weights (tied=..., or a Parameter that several stages use) with "
-        f"data_parallel={name!r} are not supported yet: untie them, or {_FIX}"
-    )
+    if _shared([rank.stage_set.module(s) for s in rank.local]):
+        raise ValueError(
+            f"a Parameter that two stages of one rank use (tied weights placed on the same "
+            f"rank) with data_parallel={name!r} is not supported: each stage's engine would "
+            f"reduce it on its own; place the tied stages on different ranks (another "
+            f"balance or schedule), or {_FIX}"
+        )
 
 
 class DataParallel:
@@ -312,6 +308,10 @@ class _Fsdp(DataParallel):
             if not any(p.requires_grad for p in module.parameters()):
                 continue
             fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward)
+            if isinstance(module, SplitStage):
+                # NOTE: the sharded parameters replaced the stand-ins' tensors, so the
+                # user's model holds what the stage trains (and its gradients)
+                module.write_through()
             sharded: Any = module
             # NOTE: a sum over the replicas, not FSDP's average (see the module docstring)
             sharded.set_gradient_divide_factor(1.0)

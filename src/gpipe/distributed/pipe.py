@@ -188,8 +188,6 @@ class DistributedGPipe(PipeCore):
                 fsdp_reshard_after_forward,
                 dp=self.layout.dp,
                 zero=zero,
-                tied=tied,
-                module=module,
                 split_backward=first_schedule.split_backward,
             )
             check_alike(
@@ -244,6 +242,8 @@ class DistributedGPipe(PipeCore):
                 self.layout,
                 self.groups,
             )
+            # NOTE: under "fsdp" the tied copies are DTensor Parameters now
+            self._connections.tied.reread(self._rank.user_view())
             self._ran = False  # whether this rank ran its actions of the step under way
 
     # -- training ----------------------------------------------------------------------

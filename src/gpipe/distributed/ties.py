@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 __all__ = ["Tie", "TiedWeights", "find_ties", "tie_groups"]
 
@@ -122,14 +123,21 @@ class TiedWeights:
         pipeline: Sequence[int],
         view: nn.Module,
     ) -> None:
-        names = dict(view.named_parameters(remove_duplicate=False))
+        self._named = [
+            (tie, group, name)
+            for tie, group in zip(ties, groups)
+            if group is not None and (name := tie.name_on(stages)) is not None
+        ]
         self._copies: list[tuple[Tie, Any, torch.Tensor]] = []
-        for tie, group in zip(ties, groups):
-            name = tie.name_on(stages)
-            if group is not None and name is not None:
-                self._copies.append((tie, group, names[name]))
+        self.reread(view)
         self._position = position
         self._pipeline = list(pipeline)
+
+    def reread(self, view: nn.Module) -> None:
+        """Take this rank's copies from ``view`` again, by name: after a data-parallel
+        engine replaced its Parameters (``fully_shard``'s DTensor shards)."""
+        names = dict(view.named_parameters(remove_duplicate=False))
+        self._copies = [(tie, group, names[name]) for tie, group, name in self._named]
 
     def start_alike(self) -> None:
         """Every copy takes its home's values (a declared tie's copies may differ)."""
@@ -138,11 +146,18 @@ class TiedWeights:
                 dist.broadcast(param.data, self._pipeline[tie.positions[0]], group=group)
 
     def sum_gradients(self, wait: Callable[[Any], None]) -> None:
-        """Every copy's gradient becomes the sum over the copies: they take the same step."""
+        """Every copy's gradient becomes the sum over the copies: they take the same step.
+
+        A gradient sharded over the replicas (FSDP's DTensor) is summed shard by shard: the
+        holders of a copy in one replica hold the same rows of it.
+        """
         for _, group, param in self._copies:
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
-            wait(dist.all_reduce(param.grad, group=group, async_op=True))
+            grad = param.grad
+            with torch.no_grad():
+                local = grad.to_local() if isinstance(grad, DTensor) else grad
+            wait(dist.all_reduce(local, group=group, async_op=True))
 
     def counted_elsewhere(self) -> set[int]:
         """The ids of this rank's copies whose home is another rank (for the norm)."""
