@@ -392,16 +392,17 @@ def test_host_share_follows_the_placement(monkeypatch: pytest.MonkeyPatch) -> No
     assert host_share(computing, spans, ["cpu"] * 4, round_robin) == pytest.approx(1.5)
 
 
+def two_stages(report: PlanReport) -> Plan:
+    """The report's two-stage plan (which of one or two stages ranks first is a timing call
+    that noise can flip between two reports)."""
+    return next(p for p in report.plans if p.stages == 2)
+
+
 def test_zero_over_replicas_shards_exactly_the_optimizer_state() -> None:
-    # NOTE: two layers, so two stages have one balance, whatever the measured times say. One
-    # stage or two is a timing call that noise can flip between the two reports, so the
-    # comparison takes the two-stage plan from each.
+    # NOTE: two layers, so two stages have one balance, whatever the measured times say.
     model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))
     sample = torch.randn(4, 64)
     kwargs = dict(optimizer="adam", schedules=["1f1b"], chunks=[2], checkpoints=["never"])
-
-    def two_stages(report: PlanReport) -> Plan:
-        return next(p for p in report.plans if p.stages == 2)
 
     one = two_stages(quiet_plan(model, sample, 8, 2, **kwargs))
     four = two_stages(quiet_plan(model, sample, 32, 2, dp=4, zero=True, **kwargs))
@@ -460,9 +461,6 @@ def test_fsdp_holds_a_share_of_each_stage_and_the_whole_of_it_within_a_step() ->
     model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))
     sample = torch.randn(4, 64)
     kwargs = dict(optimizer="adam", schedules=["1f1b"], chunks=[2], checkpoints=["never"])
-
-    def two_stages(report: PlanReport) -> Plan:
-        return next(p for p in report.plans if p.stages == 2)
 
     whole = two_stages(quiet_plan(model, sample, 16, 2, dp=4, **kwargs))
     sharded = two_stages(quiet_plan(model, sample, 16, 2, dp=4, data_parallel="fsdp", **kwargs))
