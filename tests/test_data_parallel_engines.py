@@ -76,6 +76,61 @@ def test_fsdp_without_reshard_after_forward_gathers_each_stage_once_per_step() -
             assert diffs[f"step {step} reduce_scatter"] == 1.0, diffs
 
 
+@pytest.mark.timeout(120)
+def test_fsdp_zero_bubble_runs_each_w_on_gathered_parameters_as_plain_training() -> None:
+    # a weight gradient that reads the weight, and "w-after-f", whose W follows a forward
+    # that freed the parameters: W on freed ones would be wrong (or crash)
+    schedules = ["zb-h1", "w-after-f"]
+    results = check(
+        launch(
+            "engine_scenarios:parity",
+            4,
+            engine="fsdp",
+            schedules=schedules,
+            batch=8,
+            chunks=4,
+            squared=True,
+            timeout=100,
+        )
+    )
+    assert_plain(results, schedules)
+    for result in results:
+        for diffs in result.values():
+            assert diffs["sharded"] == 1.0
+            # one reduce-scatter per step, after the stage's last W
+            assert diffs["step 0 reduce_scatter"] == diffs["step 1 reduce_scatter"] == 1.0, diffs
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("reshard", [True, False])
+def test_fsdp_runs_every_zero_bubble_schedule_as_plain_training(reshard: bool) -> None:
+    schedules = ["zb-h1", "zb-h2", "zb-v", "interleaved-zb", "w-after-f"]
+    results = check(
+        launch(
+            "engine_scenarios:parity",
+            4,
+            engine="fsdp",
+            schedules=schedules,
+            batch=8,
+            chunks=4,
+            reshard=reshard,
+            squared=True,
+            clip=True,
+            timeout=280,
+        )
+    )
+    assert_plain(results, schedules)
+    for result in results:
+        for diffs in result.values():
+            for step in (0, 1):
+                # one reduce-scatter per held stage; without resharding, one gather too
+                stages = diffs[f"step {step} reduce_scatter"]
+                assert stages in (1.0, 2.0), diffs
+                if not reshard:
+                    assert diffs[f"step {step} all_gather"] == stages, diffs
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(
@@ -149,7 +204,6 @@ REFUSED = {
     "reshard_not_a_bool": "TypeError: fsdp_reshard_after_forward must be True or False",
     "ddp_zero": "zero=True with data_parallel='ddp' is not supported",
     "fsdp_zero": "FSDP shards the optimizer state itself",
-    "fsdp_zero_bubble": "zero-bubble schedule",
     "fsdp_generate": "pipe.generate with data_parallel='fsdp'",
     "fsdp_uneven_microbatches": "every replica must run the same number of micro-batches",
 }

@@ -16,7 +16,11 @@
   parameters stay gathered for the next backward; after the stage's last backward (or W),
   ``set_is_last_backward(True)`` and FSDP's own post-backward reduce-scatter the gradients
   once, and reshard (torch.distributed.pipelining's ``perform_reduce_grad``). The
-  gradients are DTensors sharded on dim 0.
+  gradients are DTensors sharded on dim 0. Under a zero-bubble schedule, B and W run
+  with the stage's parameters gathered, as torch.distributed.pipelining's runtime
+  unshards before them: W resumes a graph whose leaves are FSDP's unsharded parameters,
+  which a forward between B and W frees under ``reshard_after_forward`` (see
+  :class:`_ShardReductions`).
 
 The micro-batch losses are weighted over the whole batch (see :mod:`gpipe.loss`), so the
 whole batch's gradient is the *sum* over the replicas: every engine sums (DDP through its
@@ -41,6 +45,7 @@ then over the holders.
 # objects (the bucket must be annotated dist.GradBucket itself, not a string).
 
 from collections.abc import Callable, Sequence
+from itertools import pairwise
 from typing import Any
 
 import torch
@@ -49,7 +54,7 @@ from torch import nn
 
 from gpipe.distributed.replicas import gradient_sync, last_gradient_actions
 from gpipe.runtime.stage_set import StageSet
-from gpipe.schedule import Action, Schedule
+from gpipe.schedule import BACKWARD, WEIGHT, Action, Schedule
 from gpipe.split.stage import SplitStage
 
 __all__ = ["ENGINES", "DataParallel", "check_data_parallel", "check_untied", "data_parallel_for"]
@@ -67,6 +72,8 @@ def check_data_parallel(
 ) -> None:
     """Refuse an engine that is not one, and what does not run yet under ``"ddp"`` or
     ``"fsdp"`` (every rank alike: the same arguments and model).
+
+    Every engine runs a zero-bubble schedule (``split_backward``).
 
     Raises:
         TypeError: ``name`` is not a string, or ``reshard_after_forward`` not a bool.
@@ -91,11 +98,6 @@ def check_data_parallel(
     if zero:
         hint = "; FSDP shards the optimizer state itself" if name == "fsdp" else ""
         raise ValueError(f"zero=True with data_parallel={name!r} is not supported{hint}: {_FIX}")
-    if split_backward and name == "fsdp":
-        raise ValueError(
-            "a zero-bubble schedule (B and W apart) with data_parallel='fsdp' is not supported "
-            f"yet (its W reads the parameters FSDP swaps): use schedule='1f1b', or {_FIX}"
-        )
 
 
 _FIX = "use data_parallel='replicate' (the default), which runs it"
@@ -302,6 +304,7 @@ class _Fsdp(DataParallel):
         from torch.distributed.fsdp import fully_shard
 
         self.shards_over = group
+        self._reshard_after_forward = reshard_after_forward
         self._sharded: dict[int, Any] = {}
         for stage in self._local:
             module = stages.module(stage)
@@ -320,10 +323,19 @@ class _Fsdp(DataParallel):
 
     def sync(self, schedule: Schedule) -> Any:
         for module in self._sharded.values():
-            _accumulating(module)
+            _accumulating(module, self._reshard_after_forward)
         last = last_gradient_actions(schedule, self._position)
+        gather: dict[Action, list[Any]] = {}
+        if schedule.split_backward:
+            actions = schedule.actions[self._position]
+            for before, action in pairwise(actions):
+                for unit in action.units:
+                    if unit.kind in (BACKWARD, WEIGHT) and unit.stage in self._sharded:
+                        gather.setdefault(before, []).append(self._sharded[unit.stage])
         return _ShardReductions(
-            {last[s]: m for s, m in self._sharded.items() if s in last}, self._sharded
+            {last[s]: m for s, m in self._sharded.items() if s in last},
+            gather,
+            self._reshard_after_forward,
         )
 
     def check_microbatches(self, count: int, wait: Callable[[Any], None]) -> None:
@@ -354,35 +366,65 @@ class _Fsdp(DataParallel):
             module.reshard()
 
 
-def _accumulating(module: Any) -> None:
-    """Every backward accumulates unsharded gradients and keeps the parameters gathered."""
+def _accumulating(module: Any, reshard_after_forward: bool) -> None:
+    """Every backward accumulates unsharded gradients and keeps the parameters gathered
+    (each forward reshards as set, even after a step that failed between a B and a W)."""
+    module.set_reshard_after_forward(reshard_after_forward)
     module.set_is_last_backward(False)
     module.set_reshard_after_backward(False)
     module.set_requires_gradient_sync(False)
 
 
 class _ShardReductions:
-    """One step's FSDP reduce-scatters: each stage's once its last backward (or W) is done."""
+    """One step's FSDP reduce-scatters: each stage's once its last backward (or W) is done;
+    and, under a zero-bubble schedule, each B and W run with the stage's parameters gathered.
 
-    def __init__(self, last: dict[Action, Any], sharded: dict[int, Any]) -> None:
+    NOTE: B hands W the stage's parameters as the graph's leaves, which are FSDP's
+    unsharded parameters only while gathered, and W resumes autograd below FSDP's
+    pre-backward hook, so nothing would gather them for W. The action before each B or W
+    gathers them (no collective when gathered; every replica runs the same schedule, so
+    the all-gathers pair up) and keeps B's recomputed forward from freeing them again, as
+    torch.distributed.pipelining's runtime unshards before its B and W.
+
+    Args:
+        last: the stage module whose gradients are final after each action.
+        gather: the stage modules to gather after each action, for a B or W next.
+        reshard_after_forward: the engine's setting, put back after each B or W.
+    """
+
+    def __init__(
+        self, last: dict[Action, Any], gather: dict[Action, list[Any]], reshard_after_forward: bool
+    ) -> None:
         self._last = last
-        self._sharded = sharded
+        self._gather = gather
+        self._reshard_after_forward = reshard_after_forward
+        self._gathered: list[Any] = []
 
     def after(self, action: Action) -> None:
+        for module in self._gathered:
+            module.set_reshard_after_forward(self._reshard_after_forward)
+        self._gathered = self._gather.get(action, [])
         module = self._last.get(action)
-        if module is None:
-            return
-        module.set_is_last_backward(True)
-        module.set_reshard_after_backward(True)
-        module.set_requires_gradient_sync(True)
-        state = module._get_fsdp_state()
-        for each in state._state_ctx.all_states:
-            for group in each._fsdp_param_groups:
-                group.post_backward()
-        state._root_post_backward_final_callback()
+        if module is not None:
+            _reduce(module)
+        for module in self._gathered:
+            module.set_reshard_after_forward(False)
+            module.unshard()
 
     def finish(self, wait: Callable[[Any], None]) -> None:
         """The reduce-scatters ran in :meth:`after` (FSDP waited for them)."""
+
+
+def _reduce(module: Any) -> None:
+    """FSDP's post-backward for ``module`` once: reduce-scatter its gradients, reshard."""
+    module.set_is_last_backward(True)
+    module.set_reshard_after_backward(True)
+    module.set_requires_gradient_sync(True)
+    state = module._get_fsdp_state()
+    for each in state._state_ctx.all_states:
+        for group in each._fsdp_param_groups:
+            group.post_backward()
+    state._root_post_backward_final_callback()
 
 
 def data_parallel_for(
