@@ -68,12 +68,9 @@ def check_data_parallel(
     *,
     dp: int,
     zero: bool,
-    split_backward: bool,
 ) -> None:
     """Refuse an engine that is not one, and what does not run yet under ``"ddp"`` or
     ``"fsdp"`` (every rank alike: the same arguments and model).
-
-    Every engine runs a zero-bubble schedule (``split_backward``).
 
     Raises:
         TypeError: ``name`` is not a string, or ``reshard_after_forward`` not a bool.

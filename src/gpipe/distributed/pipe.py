@@ -181,14 +181,9 @@ class DistributedGPipe(PipeCore):
             self.__dict__["_flow"] = flow
             routes = None if flow is None else Routes(flow.dataflow)
             self._schedules: dict[int, Schedule] = {}
-            first_schedule = self._schedule_for(self.chunks)
-            placement = first_schedule.placement
+            placement = self._schedule_for(self.chunks).placement
             check_data_parallel(
-                data_parallel,
-                fsdp_reshard_after_forward,
-                dp=self.layout.dp,
-                zero=zero,
-                split_backward=first_schedule.split_backward,
+                data_parallel, fsdp_reshard_after_forward, dp=self.layout.dp, zero=zero
             )
             check_alike(
                 module,
