@@ -54,6 +54,7 @@ def test_fsdp_gradients_clipping_and_steps_equal_plain_training_on_uneven_replic
             assert diffs["step 0 reduce_scatter"] == diffs["step 1 reduce_scatter"] == 1.0, diffs
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_fsdp_without_reshard_after_forward_gathers_each_stage_once_per_step() -> None:
     results = check(

@@ -43,7 +43,8 @@ def test_split_meta_and_tied_models_train_like_plain_pytorch_under_ddp_and_fsdp(
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("engine", ["ddp", pytest.param("fsdp", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", ["ddp", "fsdp"])
 def test_a_parameter_two_stages_of_one_rank_use_is_refused_on_every_rank(engine: str) -> None:
     # interleaved: stages 0 and 2 on rank 0 share a weight; each stage's engine would
     # reduce (or shard) it on its own

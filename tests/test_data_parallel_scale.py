@@ -33,6 +33,7 @@ def test_a_rank_raising_inside_an_engines_step_ends_every_rank_naming_it(engine:
     assert max(o.seconds for o in outcomes) < 60, [o.seconds for o in outcomes]
 
 
+@pytest.mark.slow
 def test_a_plan_under_fsdp_builds_a_pipe_that_runs_fsdp_and_trains_as_plain_training() -> None:
     for result in check(launch("engine_scale_scenarios:from_plan", 4, timeout=120, engine="fsdp")):
         assert result["engine"] == "fsdp" and "dp=2 fsdp" in result["described"], result
