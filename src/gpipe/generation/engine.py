@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -190,15 +191,16 @@ class Decoder:
             before = cache.nbytes
             out = program(x, cache, self._step(index, token, device, self.stage_devices[stage]))
             self._held[device] += cache.nbytes - before
+        message: tuple[Any, Any] | None = ((ACTIVATION, stage + 1, i), out)
         if stage == self.last:
-            self._sample(lane, out, token, i)
-        else:
-            self.transport.send((ACTIVATION, stage + 1, i), out)
+            message = self._sample(lane, out, token, i)
+        # NOTE: the action ends before its message goes, so its reader starts after it ends
+        end = time.perf_counter_ns()
+        if message is not None:
+            self.transport.send(*message)
         if self.after is not None:
             self.after(action)
-        held = self._held[device]
-        origin = self._origin
-        end = time.perf_counter_ns()
+        held, origin = self._held[device], self._origin
         self.events[device].append(
             Event(action, (start - origin) / 1e9, (end - origin) / 1e9, held, held)
         )
@@ -222,8 +224,11 @@ class Decoder:
         stopping = self._stopping.get(lane)
         return stopping is not None and stopping.done
 
-    def _sample(self, lane: Lane, logits: Tensor | None, token: int, i: int) -> None:
-        """Choose the lane's next tokens (pad where it finished) and hand them to stage 0."""
+    def _sample(
+        self, lane: Lane, logits: Tensor | None, token: int, i: int
+    ) -> tuple[Any, Any] | None:
+        """Choose the lane's next tokens (pad where it finished); the message that hands
+        them to stage 0, None after the lane's last token."""
         rows = lane.mask.shape[0]
         stopping = self._stopping.get(lane.index)
         if stopping is None:
@@ -238,10 +243,11 @@ class Decoder:
         else:
             chosen = stopping.update(next_tokens(logits[:, -1, :], self.sampling, self.generator))
         lane.tokens.append(chosen)
-        if token + 1 < self.sampling.max_new_tokens:
-            following = token_tag(i + len(self.lanes), len(self.programs))
-            skip = self.skip_finished and stopping.done
-            self.transport.send(following, None if skip else chosen[:, None])
+        if token + 1 >= self.sampling.max_new_tokens:
+            return None
+        following = token_tag(i + len(self.lanes), len(self.programs))
+        skip = self.skip_finished and stopping.done
+        return following, None if skip else chosen[:, None]
 
 
 def _named(exc: BaseException) -> BaseException:
