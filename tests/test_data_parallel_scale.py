@@ -23,7 +23,7 @@ def test_eight_ranks_train_as_plain_training_under_every_engine(engine: str, dp:
             assert diffs["param"] < 1e-12 and diffs["held"] > 0, (schedule, diffs)
 
 
-# NOTE: slow tier while a known flake stands: in 1 of 3 clean-clone runs under fsdp the
+# NOTE: slow tier while a known flake stands: in 1 of 7 runs (a clean clone's) under fsdp the
 # failing rank's replica peer (in FSDP's all-gather) ended by SIGABRT instead of status 1;
 # its cause is not found yet (see issue 42's note)
 @pytest.mark.slow
