@@ -14,11 +14,13 @@ rank the new tokens, so every rank returns the same ids.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import Tensor
 
+from gpipe.analysis import Timeline
 from gpipe.distributed.header import agree
 from gpipe.distributed.json_collectives import all_gather_json, broadcast_json
 from gpipe.distributed.programs import Programs
@@ -36,7 +38,7 @@ from gpipe.schedule import decode
 if TYPE_CHECKING:
     from gpipe.distributed.pipe import DistributedGPipe
 
-__all__ = ["generate_distributed"]
+__all__ = ["DistributedGeneration", "generate_distributed"]
 
 
 def generate_distributed(
@@ -151,3 +153,63 @@ def _comparable(settings: dict[str, Any]) -> dict[str, Any]:
     """The settings as JSON values, to compare between ranks."""
     eos = settings.get("eos_token_id")
     return {**settings, "eos_token_id": list(eos) if isinstance(eos, (list, tuple)) else eos}
+
+
+class DistributedGeneration:
+    """``generate`` of :class:`~gpipe.distributed.DistributedGPipe`."""
+
+    _guard: Any
+    _data_parallel: Any
+    _ran: bool
+    #: What the last :meth:`generate` did: every stage's KV bytes, hidden-state bytes sent.
+    generation_stats: GenerationStats
+    #: What this rank's device ran in the last :meth:`generate`.
+    generation_timeline: Timeline
+
+    @torch.no_grad()
+    def generate(
+        self,
+        input_ids: torch.Tensor | None,
+        attention_mask: torch.Tensor | None = None,
+        *,
+        max_new_tokens: int,
+        do_sample: bool = False,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        eos_token_id: int | Sequence[int] | None = None,
+        pad_token_id: int | None = None,
+        lanes: int | None = None,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
+        """Generate through the pipeline, each rank's stages keeping their own KV caches.
+
+        As :meth:`gpipe.GPipe.generate`; every rank calls it with the same settings. The
+        rank of the first stage must be given the prompt (the others may pass it or None);
+        the last stage's rank samples (``generator`` is read there). Every rank returns the
+        same ids. ``pipe.generation_stats`` holds every stage's KV bytes and the hidden-state
+        bytes each stage sent, counted by the transport.
+        """
+        settings = dict(
+            max_new_tokens=max_new_tokens,
+            do_sample=do_sample,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            eos_token_id=eos_token_id,
+            pad_token_id=pad_token_id,
+        )
+        self._data_parallel.refuse("generate")
+        self._ran = False
+        self._guard.state = None
+        with self._guard.stepping(lambda: self._ran):
+            ids, self.generation_stats, decoder = generate_distributed(
+                cast("DistributedGPipe", self),
+                input_ids,
+                attention_mask,
+                lanes,
+                generator,
+                settings,
+            )
+        self.generation_timeline = decoder.timeline()
+        return ids

@@ -46,7 +46,7 @@ from gpipe.distributed.data_parallel import (
     data_parallel_for,
 )
 from gpipe.distributed.failure import PipelineFailure
-from gpipe.distributed.generation import generate_distributed
+from gpipe.distributed.generation import DistributedGeneration
 from gpipe.distributed.guard import PipeGuard
 from gpipe.distributed.header import Header, LossBroadcast, agree
 from gpipe.distributed.mesh import device as default_device
@@ -62,7 +62,7 @@ from gpipe.schedule import FORWARD, Action, Schedule
 __all__ = ["DistributedGPipe"]
 
 
-class DistributedGPipe(PipeCore):
+class DistributedGPipe(PipeCore, DistributedGeneration):
     """Run an ``nn.Sequential`` (or :class:`~gpipe.Stages`) as a pipeline with one device per
     process (torchrun).
 
@@ -354,49 +354,6 @@ class DistributedGPipe(PipeCore):
                 self.output_batch_dims,
                 sizes=microbatch_sizes(header.total, header.microbatches),
             )
-
-    @torch.no_grad()
-    def generate(
-        self,
-        input_ids: torch.Tensor | None,
-        attention_mask: torch.Tensor | None = None,
-        *,
-        max_new_tokens: int,
-        do_sample: bool = False,
-        temperature: float = 1.0,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        eos_token_id: int | Sequence[int] | None = None,
-        pad_token_id: int | None = None,
-        lanes: int | None = None,
-        generator: torch.Generator | None = None,
-    ) -> torch.Tensor:
-        """Generate through the pipeline, each rank's stages keeping their own KV caches.
-
-        As :meth:`gpipe.GPipe.generate`; every rank calls it with the same settings. The
-        rank of the first stage must be given the prompt (the others may pass it or None);
-        the last stage's rank samples (``generator`` is read there). Every rank returns the
-        same ids. ``pipe.generation_stats`` holds every stage's KV bytes and the hidden-state
-        bytes each stage sent, counted by the transport.
-        """
-        settings = dict(
-            max_new_tokens=max_new_tokens,
-            do_sample=do_sample,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            eos_token_id=eos_token_id,
-            pad_token_id=pad_token_id,
-        )
-        self._data_parallel.refuse("generate")
-        self._ran = False
-        self._guard.state = None
-        with self._guard.stepping(lambda: self._ran):
-            ids, self.generation_stats, decoder = generate_distributed(
-                self, input_ids, attention_mask, lanes, generator, settings
-            )
-        self.generation_timeline = decoder.timeline()
-        return ids
 
     def make_optimizer(self, optimizer_class: type[torch.optim.Optimizer], **kwargs: Any) -> Any:
         """An optimizer over this rank's parameters: sharded over the replicas with ``zero``.
