@@ -23,6 +23,8 @@ from gpipe.arguments import check_stages_balance
 from gpipe.balance import balance_by_params
 from gpipe.dataflow import Stages
 from gpipe.distributed.clock import offsets_to_rank0
+from gpipe.distributed.data_parallel import DataParallel, Ddp
+from gpipe.distributed.data_parallel_fsdp import Fsdp
 from gpipe.distributed.executor import Executor
 from gpipe.distributed.fingerprint import check_same_everywhere
 from gpipe.distributed.guard import PipeGuard
@@ -45,6 +47,7 @@ __all__ = [
     "build_stages",
     "check_alike",
     "connect",
+    "data_parallel_for",
     "first_reader",
     "job_layout",
     "model_balance",
@@ -302,3 +305,27 @@ def planned(module: nn.Module, plan: Any) -> tuple[nn.Sequential | Stages, dict[
     if chosen.dp > 1 and chosen.data_parallel != "replicate":
         settings["data_parallel"] = chosen.data_parallel
     return cast("nn.Sequential | Stages", chosen.pipe_module(module)), settings
+
+
+def data_parallel_for(
+    name: str, reshard_after_forward: bool, rank: Any, layout: Any, groups: Any
+) -> DataParallel:
+    """This rank's engine ``name`` over its stages, wrapping them as it needs.
+
+    Args:
+        name: one of :data:`ENGINES` (checked by :func:`check_data_parallel`).
+        reshard_after_forward: under ``"fsdp"``, free the gathered parameters after each
+            forward (gathering them again for the next), rather than keep them to the end
+            of the step's forwards and backwards.
+        rank: this rank's :class:`~gpipe.distributed.construction.RankStages`; under
+            ``"fsdp"`` their modules become FSDP modules.
+        layout: this rank's :class:`~gpipe.distributed.mesh.Layout`.
+        groups: this rank's :class:`~gpipe.distributed.mesh.Groups`.
+    """
+    group = groups.replicas
+    stages, local, position = rank.stage_set, rank.local, layout.position
+    if group is None or name == "replicate":
+        return DataParallel(name, stages, local, position, group)
+    if name == "ddp":
+        return Ddp(stages, local, position, group)
+    return Fsdp(stages, local, position, group, groups.mesh["dp"], reshard_after_forward)

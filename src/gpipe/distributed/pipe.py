@@ -35,16 +35,13 @@ from gpipe.distributed.construction import (
     build_stages,
     check_alike,
     connect,
+    data_parallel_for,
     first_reader,
     job_layout,
     model_balance,
     planned,
 )
-from gpipe.distributed.data_parallel import (
-    check_data_parallel,
-    check_untied,
-    data_parallel_for,
-)
+from gpipe.distributed.data_parallel import check_data_parallel, check_untied
 from gpipe.distributed.failure import PipelineFailure
 from gpipe.distributed.generation import DistributedGeneration
 from gpipe.distributed.guard import PipeGuard
